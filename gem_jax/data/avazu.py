@@ -1,0 +1,120 @@
+"""Avazu mobile-ads CSV (Kaggle CTR prediction `train`), gzip or plain.
+
+Row format (24 comma-separated fields; a first line starting with `id,` is a
+header and skipped, so header-less splits work too):
+
+  id, click, hour(YYMMDDHH), C1, banner_pos, site_id, site_domain, site_category,
+  app_id, app_domain, app_category, device_id, device_ip, device_model,
+  device_type, device_conn_type, C14 .. C21
+
+* click: the 0/1 label. `id` is ignored.
+* hour -> sparse `hour_of_day` (0..23) and `day_of_week` (0 = Monday) features,
+  and dense `sin/cos(2 pi hour / 24)` (n_dense = 2).
+* hex columns (site_*, app_*, device_id, device_ip, device_model): raw int64 ids
+  `int(x, 16)`; decimal columns (C1, banner_pos, device_type, device_conn_type,
+  C14..C21): raw ids `zigzag(int(x))` (0,-1,1,-2.. -> 0,1,2,3..; C20 uses -1).
+* Two domains: app traffic (`site_id == 85f751fd`, Avazu's placeholder site for
+  in-app impressions) is domain 1, site traffic domain 0.
+
+The Kaggle `test` file has no click column (23 fields) and is rejected as bad rows.
+Bad rows: wrong field count, label not 0/1, hour not YYMMDDHH or not a date,
+malformed hex or decimal id.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Sequence
+
+import numpy as np
+
+from gem_jax.data import text
+from gem_jax.data.badrows import BadRow
+from gem_jax.data.source import LineSource, base_batch, valid_rows
+from gem_jax.data.spec import DataSpec, SparseFeatureSpec
+
+COLUMNS = ("id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain",
+           "site_category", "app_id", "app_domain", "app_category", "device_id",
+           "device_ip", "device_model", "device_type", "device_conn_type",
+           "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21")
+HEX_COLUMNS = frozenset({"site_id", "site_domain", "site_category", "app_id", "app_domain",
+                         "app_category", "device_id", "device_ip", "device_model"})
+ID_COLUMNS = COLUMNS[3:]                        # the 21 categorical columns
+TIME_FEATURES = ("hour_of_day", "day_of_week")
+APP_SITE_ID = b"85f751fd"
+DOMAINS = ("site", "app")
+_HOUR_DIGITS = frozenset(b"0123456789")
+
+
+def avazu_spec(vocab_size: int = 1 << 20) -> DataSpec:
+  sparse = [SparseFeatureSpec(n, vocab_size) for n in ID_COLUMNS]
+  sparse += [SparseFeatureSpec("hour_of_day", 24), SparseFeatureSpec("day_of_week", 7)]
+  return DataSpec(n_dense=2, sparse=tuple(sparse), num_domains=2, tasks=("click",))
+
+
+def parse_hour(tok: bytes) -> tuple[int, int]:
+  """YYMMDDHH -> (hour_of_day, day_of_week)."""
+  if len(tok) != 8 or not set(tok) <= _HOUR_DIGITS:
+    raise BadRow(f"hour: expected YYMMDDHH, got {tok[:32]!r}")
+  yy, mm, dd, hh = (int(tok[i:i + 2]) for i in (0, 2, 4, 6))
+  try:
+    day = datetime.date(2000 + yy, mm, dd)
+  except ValueError:
+    raise BadRow(f"hour: not a date {tok!r}") from None
+  if hh > 23:
+    raise BadRow(f"hour: hour {hh} > 23 in {tok!r}")
+  return hh, day.weekday()
+
+
+class AvazuSource(LineSource):
+  """Streams Avazu CSV rows as two-domain batches (see module docstring).
+
+  Args:
+    paths: file(s), comma-separated string or list; globs allowed.
+    vocab_size: expected distinct values per categorical (the spec's vocab hint).
+    **kw: StreamingSource options (shuffle_buffer, bad_row_limit, bad_row_min_rows).
+  """
+
+  is_header = staticmethod(lambda line: line.startswith(b"id,"))
+
+  def __init__(self, paths: str | Sequence[str], *, vocab_size: int = 1 << 20, **kw):
+    super().__init__(paths, avazu_spec(vocab_size), **kw)
+    self._parsers = [(i, text.parse_hex if c in HEX_COLUMNS else self._decimal, c)
+                     for i, c in enumerate(COLUMNS) if c in ID_COLUMNS]
+
+  @staticmethod
+  def _decimal(tok: bytes, name: str) -> int:
+    return text.zigzag(text.parse_int(tok, name))
+
+  @classmethod
+  def from_config(cls, cfg, split: str) -> "AvazuSource":
+    train = split == "train"
+    return cls(cfg.train if train else cfg.eval,
+               vocab_size=cfg.get("vocab_size", 1 << 20),
+               shuffle_buffer=cfg.get("shuffle_buffer", 0) if train else 0,
+               bad_row_limit=cfg.get("bad_row_limit", 0.01))
+
+  def parse(self, line: bytes):
+    """-> (label, hour_of_day, day_of_week, domain, ids (21 raw ids))."""
+    f = text.split_fields(line, b",", len(COLUMNS))
+    label = text.parse_label(f[1], "click")
+    hod, dow = parse_hour(f[2])
+    ids = [parse(f[i], name) for i, parse, name in self._parsers]
+    return label, hod, dow, int(f[5] == APP_SITE_ID), ids
+
+  def collate(self, examples: list) -> dict:
+    b = len(examples)
+    out = base_batch(b, 2, 1)
+    ids = np.full((b, len(ID_COLUMNS) + 2), -1, np.int64)
+    idx, ex = valid_rows(examples)
+    if len(idx):
+      out["labels"][idx, 0] = [e[0] for e in ex]
+      out["label_mask"][idx, 0] = 1.0
+      hod = np.asarray([e[1] for e in ex], np.float64)
+      angle = 2 * math.pi * hod / 24
+      out["dense"][idx] = np.stack([np.sin(angle), np.cos(angle)], -1)     # (b', 2)
+      out["domain"][idx] = [e[3] for e in ex]
+      ids[idx] = [e[4] + [e[1], e[2]] for e in ex]                         # (b', 23)
+    names = ID_COLUMNS + TIME_FEATURES
+    out["ids"] = {n: ids[:, j:j + 1] for j, n in enumerate(names)}         # (B, 1) each
+    return out
