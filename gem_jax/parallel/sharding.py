@@ -1,0 +1,154 @@
+"""Sharding rules: logical axis names -> mesh axes, in one table.
+
+Parameters carry logical axis names in their `logical_axes` metadata (see
+`gem_jax.layers.dense.param`), e.g. a Dense kernel is `('embed', 'mlp')`.
+`RULES` maps each name to the mesh axis it may be split over:
+
+  batch        -> ('replica', 'shard')   examples are split over every device
+  embed, mlp,  -> 'shard'                dense parameters: FSDP inside a replica
+  heads, ...                             group, replicated over 'replica' (HSDP)
+  norm, tasks, -> None                   never split (tiny axes)
+  ...
+
+A dense parameter is split over 'shard' on ONE axis: the largest axis whose
+logical name maps to 'shard' and whose size is divisible by the 'shard' size;
+if there is none (or the parameter has fewer than `min_elements` entries,
+where the all-gather would cost more than the memory it saves) it is
+replicated. Names not in the table are treated as 'shard' candidates, so a
+new layer is sharded by default. Embedding tables and their slots are not
+covered here: the embedding planner decides (`plan.state_shardings()`).
+
+Example on a (2, 4) mesh: kernel (256, 1024) named ('embed', 'mlp') ->
+P(None, 'shard'): each device holds (256, 256); the two replicas hold the
+same four quarters.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+BATCH_AXES = ("replica", "shard")
+
+# The one rules table: logical axis name -> mesh axis (or None = replicated).
+RULES: Mapping[str, Any] = {
+    "batch": BATCH_AXES,
+    "embed": "shard",
+    "mlp": "shard",
+    "heads": "shard",
+    "kv": "shard",
+    "qkv": "shard",
+    "ffn": "shard",
+    "tokens": "shard",
+    "features": "shard",
+    "vocab": "shard",
+    "norm": None,
+    "tasks": None,
+    "domains": None,
+    "layers": None,
+}
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis split over ('replica', 'shard'); other axes whole."""
+  return NamedSharding(mesh, P(RULES["batch"]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def dense_param_spec(shape: Sequence[int], logical_axes: Sequence[str | None] | None,
+                     mesh: Mesh, *, rules: Mapping[str, Any] = RULES,
+                     min_elements: int = 1024) -> P:
+  """PartitionSpec of one dense parameter (see the module docstring).
+
+  Args:
+    shape: the parameter's shape.
+    logical_axes: its logical axis names (None: every axis is a candidate).
+    mesh: a ('replica', 'shard') mesh.
+    rules: logical name -> mesh axis.
+    min_elements: parameters smaller than this are replicated.
+  """
+  shape = tuple(shape)
+  if logical_axes is None:
+    logical_axes = (None,) * len(shape)
+  if len(logical_axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {shape}")
+  n_shard = mesh.shape["shard"]
+  size = 1
+  for s in shape:
+    size *= s
+  spec = [None] * len(shape)
+  if n_shard == 1 or size < min_elements:
+    return P(*spec)
+  best = None
+  for i, (dim, name) in enumerate(zip(shape, logical_axes)):
+    target = rules.get(name, "shard") if name is not None else "shard"
+    if target != "shard" or dim % n_shard:
+      continue
+    if best is None or dim > shape[best]:
+      best = i
+  if best is not None:
+    spec[best] = "shard"
+  return P(*spec)
+
+
+def dense_param_shardings(abstract_params, mesh: Mesh, **kw):
+  """NamedSharding for every leaf of an nnx.State of params (same tree structure).
+
+  `abstract_params` is the output of `jax.eval_shape` (nnx.Variable leaves
+  holding ShapeDtypeStructs and their `logical_axes` metadata).
+  """
+  def one(v):
+    if _is_variable(v):
+      axes = v.get_metadata().get("logical_axes")
+      return v.replace(NamedSharding(mesh, dense_param_spec(v.get_value().shape, axes, mesh, **kw)))
+    return NamedSharding(mesh, dense_param_spec(v.shape, None, mesh, **kw))
+  return jax.tree.map(one, abstract_params, is_leaf=_is_variable)
+
+
+def optimizer_state_shardings(tx, abstract_opt_state, param_shardings, mesh: Mesh):
+  """Shardings of an optax state: moment trees follow the params, the rest is replicated."""
+  import optax  # local: only the trainer needs it
+  return optax.tree_map_params(
+      tx, lambda _, s: s, abstract_opt_state, param_shardings,
+      transform_non_params=lambda _: replicated(mesh),
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_shardings(batch, mesh: Mesh, ids_shardings: Mapping[str, NamedSharding] | None = None):
+  """Shardings for a batch dict: every leaf split on its leading axis, `ids`
+  (and `weights`) per feature as the embedding plan says."""
+  b = batch_sharding(mesh)
+  out = jax.tree.map(lambda _: b, batch)
+  if ids_shardings is not None:
+    for key in ("ids", "weights"):
+      if key in batch:
+        out[key] = {f: ids_shardings.get(f, b) for f in batch[key]}
+  return out
+
+
+def canonical_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+  """Layout of a checkpointed (canonical, unpadded) table or slot array.
+
+  Rows split over every device when they divide evenly, else over 'shard',
+  else replicated (only small arrays: row counts of real tables are chosen
+  divisible). Orbax reads each device's slice, so no table is ever whole on
+  one device when saving or restoring.
+  """
+  if not shape:
+    return replicated(mesh)
+  rows = shape[0]
+  rest = (None,) * (len(shape) - 1)
+  if rows % mesh.size == 0:
+    return NamedSharding(mesh, P(RULES["batch"], *rest))
+  if rows % mesh.shape["shard"] == 0:
+    return NamedSharding(mesh, P("shard", *rest))
+  return replicated(mesh)
