@@ -1,0 +1,336 @@
+"""Multi-head attention for event sequences: self, target-aware cross, and PMA.
+
+Shapes: B batch, L (or Lq, Lk) tokens, D = d_model, H heads, dh = D / H.
+
+Scores (per head, s = scale * q.k + bias, scale = 1/sqrt(dh)):
+  * 'softmax': a = softmax over the allowed keys of s.
+  * 'silu' (HSTU-style pointwise): a = silu(s) / N on allowed keys, 0 elsewhere,
+    with N the size of the key window: Lk for 'full'/'causal' (the padded
+    key length, as HSTU divides by the max sequence length), block_size for
+    'block_local'. HSTU uses no 1/sqrt(dh) scale; we keep it so that the two
+    score types see the same logits (with QK-norm the logit scale is learned
+    through the norm scales anyway).
+  out = sum_k a_qk v_k, then an output projection.
+
+Masks (key j allowed for query i); `valid` (B, L) marks real events, events are
+most-recent-first (index 0 = newest):
+  * 'full': valid_j.
+  * 'causal': valid_j and j >= i when `recent_first` (an event sees itself and
+    OLDER events), j <= i otherwise (chronological order).
+  * 'block_local': valid_j and i // b == j // b: non-overlapping blocks of
+    b = block_size tokens (L padded up to a multiple of b with invalid tokens);
+    each block attends only to itself. Computed block-diagonally on
+    (B, L/b, b, H, dh) tensors: the score tensor is (B, L/b, H, b, b), never
+    (B, H, L, L).
+A query row with no allowed key gives a zero output (finite, no NaN), and
+outputs at invalid query positions are zeroed before the output projection
+(so they equal the projection bias). Padded events never change a valid
+output: their scores are replaced (not added to), so results are bit-exact.
+
+Position / time information (optional, both may be on):
+  * RoPE on q and k with positions 0..L-1 (`gem_jax.layers.rope`).
+  * Relative time bias: a learned (num_buckets, H) table indexed by
+    bucket(dt_i - dt_j), bucket(t) = min(num_buckets - 1, floor(log2(1 + |t|)))
+    with t in seconds (bucket 20 ~ 12 days, 25 ~ 1 year). For cross attention
+    (the candidate is "now"), bucket(dt_j) of the key's age is used.
+
+Precision: projections through `Dense` (dtype / param_dtype / fp8); scores,
+softmax and QK-norm in fp32; probabilities cast to the compute dtype for the
+value matmul (fp32 accumulation); outputs in the compute dtype.
+
+FLOPs (forward, per example, matmuls only; see `attention_flops` & co):
+  self-attention: 8 L D^2 + 4 L Lk_eff D, Lk_eff = L (full, causal: the
+  causal mask is applied to the full score matrix) or b (block-local, L
+  rounded up to a multiple of b) -- GEM.md §5.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.layers.dense import Dense, param
+from gem_jax.layers.norm import LayerNorm, RMSNorm
+from gem_jax.layers.rope import apply_rope
+
+Dtype = Any
+SCORES = ("softmax", "silu")
+MASKS = ("full", "causal", "block_local")
+
+
+def time_bucket(delta: jax.Array, num_buckets: int) -> jax.Array:
+  """min(num_buckets - 1, floor(log2(1 + |delta|))) as int32, delta in seconds."""
+  b = jnp.floor(jnp.log2(1.0 + jnp.abs(delta.astype(jnp.float32))))
+  return jnp.clip(b, 0, num_buckets - 1).astype(jnp.int32)
+
+
+def _time_bias(table: jax.Array, delta: jax.Array) -> jax.Array:
+  """table (NB, H), delta (..., Lq, Lk) -> bias (..., H, Lq, Lk) in fp32."""
+  bias = table.astype(jnp.float32)[time_bucket(delta, table.shape[0])]  # (..., Lq, Lk, H)
+  return jnp.moveaxis(bias, -1, -3)  # (..., H, Lq, Lk)
+
+
+def attention_weights(s: jax.Array, allowed: jax.Array, score: str, norm: float) -> jax.Array:
+  """Scores -> attention weights, fp32.
+
+  s: fp32 (..., H, Lq, Lk); allowed: bool, broadcastable to s. Disallowed
+  entries get weight exactly 0; a row with no allowed entry is all zeros.
+  """
+  if score == "softmax":
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # (..., Lq, 1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # exp(-inf) = 0 on disallowed keys
+    den = jnp.sum(p, axis=-1, keepdims=True)  # (..., Lq, 1)
+    return p / jnp.where(den > 0, den, 1.0)
+  if score == "silu":
+    return jnp.where(allowed, jax.nn.silu(s), 0.0) / norm
+  raise ValueError(f"score={score!r}: expected one of {SCORES}")
+
+
+def _attend(q, k, v, allowed, bias, *, score, scale, norm, dtype):
+  """q (..., Lq, H, dh), k/v (..., Lk, H, dh) -> (..., Lq, H, dh) in dtype."""
+  s = jnp.einsum("...qhd,...khd->...hqk", q, k,
+                 preferred_element_type=jnp.float32) * scale  # (..., H, Lq, Lk)
+  if bias is not None:
+    s = s + bias
+  p = attention_weights(s, allowed, score, norm)  # (..., H, Lq, Lk) fp32
+  o = jnp.einsum("...hqk,...khd->...qhd", p.astype(v.dtype), v,
+                 preferred_element_type=jnp.float32)  # (..., Lq, H, dh)
+  return o.astype(dtype)
+
+
+def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Array, *,
+                        score: str = "softmax", mask: str = "full", block_size: int = 64,
+                        recent_first: bool = True, scale: float | None = None,
+                        time_table: jax.Array | None = None, dt_q: jax.Array | None = None,
+                        dt_k: jax.Array | None = None, dtype: Dtype = None) -> jax.Array:
+  """The attention core on projected heads (see the module docstring).
+
+  Args:
+    q: (B, Lq, H, dh); k, v: (B, Lk, H, dh); k_valid: bool (B, Lk).
+    score: 'softmax' | 'silu'.  mask: 'full' | 'causal' | 'block_local'.
+    block_size: b for 'block_local' (needs Lq == Lk).
+    recent_first: direction of 'causal' (True: key j >= query i allowed).
+    scale: logit scale, default 1/sqrt(dh).
+    time_table: (NB, H) bias table; with dt_q (B, Lq) and dt_k (B, Lk) the
+      bias is table[bucket(dt_q_i - dt_k_j)]; with dt_k only, table[bucket(dt_k_j)].
+    dtype: output dtype (default q.dtype).
+  Returns:
+    (B, Lq, H, dh).
+  """
+  if mask not in MASKS:
+    raise ValueError(f"mask={mask!r}: expected one of {MASKS}")
+  dtype = dtype or q.dtype
+  B, Lq, H, dh = q.shape
+  Lk = k.shape[1]
+  scale = 1.0 / math.sqrt(dh) if scale is None else scale
+  if mask == "block_local":
+    if Lq != Lk:
+      raise ValueError(f"block_local attention needs Lq == Lk, got {Lq} and {Lk}")
+    b = block_size
+    nb = -(-Lk // b)
+    pad = nb * b - Lk
+
+    def blocks(t, fill=0):  # (B, L, ...) -> (B, nb, b, ...)
+      t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2), constant_values=fill)
+      return t.reshape((B, nb, b) + t.shape[2:])
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)  # (B, nb, b, H, dh)
+    allowed = blocks(k_valid, False)[:, :, None, None, :]  # (B, nb, 1, 1, b)
+    bias = None
+    if time_table is not None:
+      dkb = blocks(dt_k.astype(jnp.float32))  # (B, nb, b)
+      dqb = dkb if dt_q is None else blocks(dt_q.astype(jnp.float32))
+      bias = _time_bias(time_table, dqb[..., :, None] - dkb[..., None, :])  # (B, nb, H, b, b)
+    o = _attend(qb, kb, vb, allowed, bias, score=score, scale=scale, norm=float(b),
+                dtype=dtype)  # (B, nb, b, H, dh)
+    return o.reshape(B, nb * b, H, dh)[:, :Lq]
+  allowed = k_valid[:, None, None, :]  # (B, 1, 1, Lk)
+  if mask == "causal":
+    i = jnp.arange(Lq)[:, None]
+    j = jnp.arange(Lk)[None, :]
+    allowed = allowed & ((j >= i) if recent_first else (j <= i))  # (B, 1, Lq, Lk)
+  bias = None
+  if time_table is not None:
+    dk = dt_k.astype(jnp.float32)[:, None, :]  # (B, 1, Lk)
+    delta = dk if dt_q is None else dt_q.astype(jnp.float32)[:, :, None] - dk  # (B, Lq|1, Lk)
+    bias = _time_bias(time_table, delta)  # (B, H, Lq|1, Lk)
+  return _attend(q, k, v, allowed, bias, score=score, scale=scale, norm=float(Lk),
+                 dtype=dtype)  # (B, Lq, H, dh)
+
+
+def attention_flops(L: int, d_model: int, *, mask: str = "full", block_size: int = 64) -> int:
+  """Forward FLOPs of `Attention` on L tokens: 8 L D^2 + 4 L Lk_eff D.
+
+  Lk_eff = L for 'full'/'causal', b for 'block_local' (L rounded up to a
+  multiple of b, as computed). Norms, RoPE, bias and softmax are not counted.
+  """
+  if mask == "block_local":
+    Lp = -(-L // block_size) * block_size
+    return 8 * L * d_model ** 2 + 4 * Lp * block_size * d_model
+  return 8 * L * d_model ** 2 + 4 * L * L * d_model
+
+
+def cross_attention_flops(Q: int, L: int, d_model: int) -> int:
+  """Forward FLOPs of `CrossAttention`: 4 Q D^2 (q, out) + 4 L D^2 (k, v) + 4 Q L D."""
+  return 4 * Q * d_model ** 2 + 4 * L * d_model ** 2 + 4 * Q * L * d_model
+
+
+def pma_flops(L: int, num_seeds: int, d_model: int) -> int:
+  """Forward FLOPs of `PMA`: GEM.md's 4 L D^2 + 4 k L D, plus 4 k D^2 (seed q, out)."""
+  return cross_attention_flops(num_seeds, L, d_model)
+
+
+class _Heads(nnx.Module):
+  """Shared pieces: QK-norm, optional time-bias table, output projection."""
+
+  def _init_common(self, d_model, num_heads, *, score, qk_norm, time_buckets, dtype,
+                   param_dtype, fp8, rngs):
+    if d_model % num_heads:
+      raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+    if score not in SCORES:
+      raise ValueError(f"score={score!r}: expected one of {SCORES}")
+    self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+    self.score, self.dtype = score, dtype
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_norm = RMSNorm(self.head_dim, **kw) if qk_norm else None
+    self.k_norm = RMSNorm(self.head_dim, **kw) if qk_norm else None
+    self.time_bias = (param(rngs, nnx.initializers.zeros_init(), (time_buckets, num_heads),
+                            param_dtype, (None, "heads")) if time_buckets else None)
+    self.out = Dense(d_model, d_model, fp8=fp8, kernel_axes=("heads", "embed"), **kw)
+
+  def _split(self, t: jax.Array) -> jax.Array:
+    return t.reshape(t.shape[:2] + (self.num_heads, self.head_dim))  # (B, L, H, dh)
+
+  def _norm_qk(self, q, k):
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return q, k
+
+  def _table(self):
+    return None if self.time_bias is None else self.time_bias[...]
+
+  def _project_out(self, o: jax.Array, q_valid: jax.Array | None) -> jax.Array:
+    B, Lq = o.shape[:2]
+    if q_valid is not None:
+      o = jnp.where(q_valid[:, :, None, None], o, jnp.zeros((), o.dtype))
+    return self.out(o.reshape(B, Lq, self.d_model))  # (B, Lq, D)
+
+
+class Attention(_Heads):
+  """Multi-head self-attention over a jagged event sequence.
+
+  y = W_o concat_h( attend(q_h, k_h, v_h) ),  [q, k, v] = x W_qkv, with
+  optional QK-norm (RMSNorm per head on q and k), RoPE, a log-time-delta
+  bucket bias, and the score/mask variants of the module docstring.
+  FLOPs: `attention_flops` = 8 L D^2 + 4 L Lk_eff D.
+
+  Args:
+    d_model, num_heads: D and H (D % H == 0).
+    score: 'softmax' or 'silu'.
+    qk_norm: RMS-normalize q and k per head (learned scale per head dim).
+    rope: rotary positions 0..L-1 on q and k.
+    time_buckets: number of log2 time-delta buckets of the bias (0 = off);
+      needs `dt` at call time.
+    mask: 'full', 'causal' or 'block_local'; block_size: b of 'block_local'.
+    recent_first: sequences are newest-first (direction of 'causal').
+    dtype, param_dtype, fp8: precision policy of `Dense`.
+
+  Call: (x (B, L, D), valid bool (B, L), dt (B, L) seconds or None) -> (B, L, D).
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, score: str = "softmax",
+               qk_norm: bool = True, rope: bool = False, time_buckets: int = 0,
+               mask: str = "full", block_size: int = 64, recent_first: bool = True,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False):
+    if mask not in MASKS:
+      raise ValueError(f"mask={mask!r}: expected one of {MASKS}")
+    self._init_common(d_model, num_heads, score=score, qk_norm=qk_norm,
+                      time_buckets=time_buckets, dtype=dtype, param_dtype=param_dtype,
+                      fp8=fp8, rngs=rngs)
+    self.rope, self.mask, self.block_size, self.recent_first = rope, mask, block_size, recent_first
+    self.qkv = Dense(d_model, 3 * d_model, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
+                     kernel_axes=("embed", "heads"), rngs=rngs)
+
+  def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None) -> jax.Array:
+    B, L, D = x.shape
+    qkv = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim)  # (B, L, 3, H, dh)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, L, H, dh)
+    q, k = self._norm_qk(q, k)
+    if self.rope:
+      pos = jnp.arange(L)
+      q, k = apply_rope(q, pos), apply_rope(k, pos)
+    if self.time_bias is not None and dt is None:
+      raise ValueError("time_buckets > 0 needs dt (B, L)")
+    o = multihead_attention(q, k, v, valid, score=self.score, mask=self.mask,
+                            block_size=self.block_size, recent_first=self.recent_first,
+                            time_table=self._table(), dt_q=dt, dt_k=dt,
+                            dtype=self.dtype)  # (B, L, H, dh)
+    return self._project_out(o, valid)  # (B, L, D)
+
+
+class CrossAttention(_Heads):
+  """Target-aware cross attention: Q query tokens (e.g. candidate ads) attend to history.
+
+  y = W_o concat_h( attend(q_h, k_h, v_h) ), q = x_q W_q, [k, v] = kv W_kv,
+  mask 'full' over the valid keys; optional QK-norm and a time bias on the
+  key's age bucket(dt_j). FLOPs: `cross_attention_flops`.
+
+  Call: (q (B, Q, D), kv (B, L, D), kv_valid bool (B, L), kv_dt (B, L) or None)
+  -> (B, Q, D). A row with no valid key gives W_o 0 + bias.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, score: str = "softmax",
+               qk_norm: bool = True, time_buckets: int = 0, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False):
+    self._init_common(d_model, num_heads, score=score, qk_norm=qk_norm,
+                      time_buckets=time_buckets, dtype=dtype, param_dtype=param_dtype,
+                      fp8=fp8, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, fp8=fp8, kernel_axes=("embed", "heads"),
+              rngs=rngs)
+    self.q_proj = Dense(d_model, d_model, **kw)
+    self.kv_proj = Dense(d_model, 2 * d_model, **kw)
+
+  def __call__(self, q: jax.Array, kv: jax.Array, kv_valid: jax.Array,
+               kv_dt: jax.Array | None = None) -> jax.Array:
+    B, L, _ = kv.shape
+    qh = self._split(self.q_proj(q))  # (B, Q, H, dh)
+    kvh = self.kv_proj(kv).reshape(B, L, 2, self.num_heads, self.head_dim)  # (B, L, 2, H, dh)
+    kh, vh = kvh[:, :, 0], kvh[:, :, 1]  # (B, L, H, dh)
+    qh, kh = self._norm_qk(qh, kh)
+    if self.time_bias is not None and kv_dt is None:
+      raise ValueError("time_buckets > 0 needs kv_dt (B, L)")
+    o = multihead_attention(qh, kh, vh, kv_valid, score=self.score, mask="full",
+                            time_table=self._table(), dt_k=kv_dt,
+                            dtype=self.dtype)  # (B, Q, H, dh)
+    return self._project_out(o, None)  # (B, Q, D)
+
+
+class PMA(nnx.Module):
+  """Pooling by multi-head attention onto k learned seeds (Set Transformer PMA).
+
+  PMA(x) = S + CrossAttention(S, LN(x), valid),  S: (k, D) learned seeds.
+  A sequence with no valid event gives S + W_o bias (finite). Output (B, k, D)
+  in the compute dtype. FLOPs: `pma_flops` = 4 L D^2 + 4 k L D + 4 k D^2.
+
+  Call: (x (B, L, D), valid bool (B, L)) -> (B, k, D).
+  """
+
+  def __init__(self, d_model: int, num_seeds: int, num_heads: int, *, rngs: nnx.Rngs,
+               score: str = "softmax", qk_norm: bool = True, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False):
+    self.num_seeds, self.dtype = num_seeds, dtype
+    self.seeds = param(rngs, nnx.initializers.normal(0.02), (num_seeds, d_model), param_dtype,
+                       (None, "embed"))
+    self.norm = LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn = CrossAttention(d_model, num_heads, score=score, qk_norm=qk_norm, dtype=dtype,
+                               param_dtype=param_dtype, fp8=fp8, rngs=rngs)
+
+  def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
+    B = x.shape[0]
+    s = jnp.broadcast_to(self.seeds[...].astype(self.dtype), (B,) + self.seeds.shape)  # (B, k, D)
+    return s + self.attn(s, self.norm(x), valid)  # (B, k, D)

@@ -1,0 +1,236 @@
+"""InterFormer block: interleaved non-sequence / sequence learning (GEM.md §3.3, IF paper).
+
+Shapes: X (B, n, D) non-sequence tokens, S (B, L, D) event sequence (newest
+first, `valid` (B, L)), D = d_model. What this module implements exactly:
+
+Cross arch (summaries):
+  X_sum = Gating(MLP(X))                                        (B, m, D)
+    MLP(X) = gelu(Z W_1 + b_1) W_2 + b_2,  Z = W_t X  (W_t: (m, n) mixes tokens,
+    W_1, W_2: (D, D) per token); m = num_x_summary.
+  S_sum = Gating(LN([S_CLS ; S_PMA ; S_recent]))                (B, c + p + r, D)
+    S_CLS: the outputs at c learned CLS tokens prepended to the sequence in
+    this block's attention; S_PMA = PMA(S', p seeds); S_recent = the r newest
+    tokens of S' (0 where invalid). Defaults c = 4, p = 2, r = 2.
+  Gating(x) = sigmoid(x * MLP_g(x)) * x, MLP_g(x) = gelu(x W_a + b_a) W_b + b_b
+    per token (W_a: (D, h), W_b: (h, D), h = D by default).
+Sequence arch:
+  U  = PFFN(X_sum, S)
+  [S_CLS ; S'] = [C ; U] + Attention(LN([C ; U]), [1 ; valid], [0 ; dt])
+    (C: the learned CLS tokens, dt = 0 "now"; any score/mask/RoPE/time-bias
+    variant of `Attention`). For mask='causal' with newest-first order the
+    CLS tokens see every event and no event sees them; for 'block_local' they
+    sit in the first block.
+  PFFN(X_sum, S) = S + gelu(LN(S) K^T / sqrt(D)) V,  K = X_sum W_k, V = X_sum W_v
+    (W_k, W_v: (D, D)): a per-example feed-forward layer with m hidden units
+    whose input and output weights are linear in the non-sequence summary,
+    i.e. the "(X_sum W) S" modulation of GEM.md §3.3.
+Interaction arch:
+  X' = interaction([X ; S_sum])  (the injected module, e.g. a Wukong layer,
+    maps (B, n + c + p + r, D) to (B, n, D) or to (B, n + c + p + r, D), of
+    which the first n tokens are kept).
+Schedule: S_sum is taken from this block's updated sequence S' (so the CLS
+outputs need no extra state between blocks); X_sum from the block's input X.
+Returns (X', S', X_sum, S_sum); the model's output head uses
+MLP([X_sum ; S_sum]) of the last block (assembled by the caller).
+
+Padded events never change any output. Precision as in `Dense`; norms, sigmoid
+and gelu in fp32 / dtype as in the other layers; outputs in `dtype`.
+FLOPs: `interformer_flops` (the injected interaction module is not included).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.layers.attention import PMA, Attention, attention_flops, pma_flops
+from gem_jax.layers.dense import Dense, param
+from gem_jax.layers.norm import LayerNorm
+from gem_jax.layers.sequence import remat_call
+
+Dtype = Any
+
+
+class Gating(nnx.Module):
+  """Self-gating: y = sigmoid(x * MLP(x)) * x,  MLP(x) = gelu(x W_a + b_a) W_b + b_b.
+
+  Per token: x (B, n, D) -> (B, n, D). FLOPs 4 n D h (h = hidden, default D).
+  The sigmoid gate is computed in fp32; output in `dtype`.
+  """
+
+  def __init__(self, d_model: int, *, rngs: nnx.Rngs, hidden: int | None = None,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False):
+    h = hidden or d_model
+    kw = dict(dtype=dtype, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
+    self.dtype = dtype
+    self.fc1 = Dense(d_model, h, kernel_axes=("embed", "mlp"), **kw)
+    self.fc2 = Dense(h, d_model, kernel_axes=("mlp", "embed"), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    m = self.fc2(jax.nn.gelu(self.fc1(x)))  # (B, n, D)
+    x32 = x.astype(jnp.float32)
+    g = jax.nn.sigmoid(x32 * m.astype(jnp.float32))  # (B, n, D)
+    return (g * x32).astype(self.dtype)
+
+
+class PFFN(nnx.Module):
+  """Personalized FFN: S + gelu(LN(S) K^T / sqrt(D)) V,  K = X_sum W_k, V = X_sum W_v.
+
+  x_sum (B, m, D), s (B, L, D) -> (B, L, D). The m summary tokens act as the
+  hidden units of a per-example FFN on every event. FLOPs 4 m D^2 + 4 L m D.
+
+  Args:
+    d_model: D.  n_summary: m (the number of X_sum tokens, checked at call time).
+  """
+
+  def __init__(self, d_model: int, n_summary: int, *, rngs: nnx.Rngs,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
+    self.d_model, self.n_summary, self.dtype = d_model, n_summary, dtype
+    self.norm = LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.w_k = Dense(d_model, d_model, use_bias=False, kernel_axes=("embed", "mlp"), **kw)
+    self.w_v = Dense(d_model, d_model, use_bias=False, kernel_axes=("embed", "mlp"), **kw)
+
+  def __call__(self, x_sum: jax.Array, s: jax.Array) -> jax.Array:
+    if x_sum.shape[1] != self.n_summary:
+      raise ValueError(f"x_sum has {x_sum.shape[1]} tokens, expected {self.n_summary}")
+    k = self.w_k(x_sum)  # (B, m, D)
+    v = self.w_v(x_sum)  # (B, m, D)
+    h = jnp.einsum("bld,bmd->blm", self.norm(s), k,
+                   preferred_element_type=jnp.float32) / math.sqrt(self.d_model)  # (B, L, m)
+    h = jax.nn.gelu(h).astype(self.dtype)
+    y = jnp.einsum("blm,bmd->bld", h, v, preferred_element_type=jnp.float32)  # (B, L, D)
+    return s.astype(self.dtype) + y.astype(self.dtype)
+
+
+def interformer_flops(n: int, L: int, d_model: int, *, num_x_summary: int = 4,
+                      num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
+                      mask: str = "full", block_size: int = 64,
+                      gating_hidden: int | None = None) -> int:
+  """Forward FLOPs of one InterFormerBlock, excluding the injected interaction module.
+
+  X_sum: 2 m n D (token mix) + 4 m D^2 (MLP) + 4 m D h (gating);
+  PFFN: 4 m D^2 + 4 L m D; attention over c + L tokens; PMA over L tokens;
+  S_sum gating: 4 (c + p + r) D h.
+  """
+  D, m = d_model, num_x_summary
+  h = gating_hidden or D
+  n_s = num_cls + num_pma + num_recent
+  return (2 * m * n * D + 4 * m * D * D + 4 * m * D * h
+          + 4 * m * D * D + 4 * L * m * D
+          + attention_flops(num_cls + L, D, mask=mask, block_size=block_size)
+          + pma_flops(L, num_pma, D)
+          + 4 * n_s * D * h)
+
+
+class InterFormerBlock(nnx.Module):
+  """One InterFormer block (see the module docstring for the exact equations).
+
+  Args:
+    d_model: D.  n_tokens: n, the number of non-sequence tokens X.
+    num_heads: heads of the sequence attention and the PMA.
+    interaction: an nnx.Module mapping (B, n + c + p + r, D) to (B, n, D) or
+      (B, n + c + p + r, D) (e.g. a Wukong layer); owned by this block.
+    num_cls, num_pma, num_recent: c, p, r of S_sum.  num_x_summary: m of X_sum.
+    score, mask, block_size, rope, time_buckets, qk_norm, recent_first: the
+      sequence attention (`Attention`).
+    gating_hidden: hidden width of the Gating MLPs (default D).
+    dtype, param_dtype, fp8: precision policy.  remat: checkpointing of the
+      sequence arch (None, 'full', 'dots').
+
+  Call: (x (B, n, D), s (B, L, D), valid bool (B, L), dt (B, L) or None)
+  -> (x' (B, n, D), s' (B, L, D), x_sum (B, m, D), s_sum (B, c + p + r, D)).
+  """
+
+  def __init__(self, d_model: int, n_tokens: int, num_heads: int, *, interaction: nnx.Module,
+               rngs: nnx.Rngs, num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
+               num_x_summary: int = 4, score: str = "softmax", mask: str = "full",
+               block_size: int = 64, rope: bool = False, time_buckets: int = 0,
+               qk_norm: bool = True, recent_first: bool = True, gating_hidden: int | None = None,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
+               remat: str | None = None):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.n_tokens, self.num_cls, self.num_recent = n_tokens, num_cls, num_recent
+    self.time_buckets, self.dtype, self.remat = time_buckets, dtype, remat
+    self.n_s_summary = num_cls + num_pma + num_recent
+    # Cross arch, non-sequence summary.
+    self.x_mix = param(rngs, nnx.initializers.lecun_normal(), (n_tokens, num_x_summary),
+                       param_dtype, (None, None))
+    self.x_fc1 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("embed", "mlp"), **kw)
+    self.x_fc2 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("mlp", "embed"), **kw)
+    self.x_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
+    # Sequence arch.
+    self.pffn = PFFN(d_model, num_x_summary, fp8=fp8, **kw)
+    self.cls = (param(rngs, nnx.initializers.normal(0.02), (num_cls, d_model), param_dtype,
+                      (None, "embed")) if num_cls else None)
+    self.attn_norm = LayerNorm(d_model, **kw)
+    self.attn = Attention(d_model, num_heads, score=score, qk_norm=qk_norm, rope=rope,
+                          time_buckets=time_buckets, mask=mask, block_size=block_size,
+                          recent_first=recent_first, fp8=fp8, **kw)
+    # Cross arch, sequence summary.
+    self.pma = PMA(d_model, num_pma, num_heads, score=score, qk_norm=qk_norm, fp8=fp8,
+                   **kw) if num_pma else None
+    self.s_norm = LayerNorm(d_model, **kw)
+    self.s_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
+    # Interaction arch.
+    self.interaction = interaction
+
+  def x_summary(self, x: jax.Array) -> jax.Array:
+    """X_sum = Gating(MLP(X)): (B, n, D) -> (B, m, D)."""
+    z = jnp.einsum("bnd,nm->bmd", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
+                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, m, D)
+    z = self.x_fc2(jax.nn.gelu(self.x_fc1(z)))  # (B, m, D)
+    return self.x_gate(z)  # (B, m, D)
+
+  def _sequence_arch(self, x_sum, s, valid, dt):
+    """Returns (S_CLS (B, c, D), S' (B, L, D))."""
+    B, L, D = s.shape
+    u = self.pffn(x_sum, s)  # (B, L, D)
+    c = self.num_cls
+    if c:
+      cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (B, c, D))
+      u = jnp.concatenate([cls, u], axis=1)  # (B, c + L, D)
+      valid = jnp.concatenate([jnp.ones((B, c), bool), valid], axis=1)  # (B, c + L)
+      if dt is not None:
+        dt = jnp.concatenate([jnp.zeros((B, c), jnp.float32), dt.astype(jnp.float32)], axis=1)
+    u = u + self.attn(self.attn_norm(u), valid, dt)  # (B, c + L, D)
+    return u[:, :c], u[:, c:]
+
+  def s_summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
+    """S_sum = Gating(LN([S_CLS ; PMA(S) ; S_recent])) -> (B, c + p + r, D)."""
+    B, L, D = s.shape
+    parts = [s_cls]  # (B, c, D)
+    if self.pma is not None:
+      parts.append(self.pma(s, valid))  # (B, p, D)
+    r = self.num_recent
+    if r:
+      rec = s[:, :r]  # (B, min(r, L), D)
+      ok = valid[:, :r]
+      if L < r:
+        rec = jnp.pad(rec, [(0, 0), (0, r - L), (0, 0)])
+        ok = jnp.pad(ok, [(0, 0), (0, r - L)])
+      parts.append(jnp.where(ok[:, :, None], rec, jnp.zeros((), rec.dtype)))  # (B, r, D)
+    summary = self.s_norm(jnp.concatenate(parts, axis=1))  # (B, c + p + r, D)
+    if r:  # keep the missing recent tokens at exactly 0 after the norm
+      ok_all = jnp.concatenate([jnp.ones((B, self.n_s_summary - r), bool), ok], axis=1)
+      summary = jnp.where(ok_all[:, :, None], summary, jnp.zeros((), summary.dtype))
+    return self.s_gate(summary)  # (B, c + p + r, D)
+
+  def __call__(self, x: jax.Array, s: jax.Array, valid: jax.Array,
+               dt: jax.Array | None = None):
+    if x.shape[1] != self.n_tokens:
+      raise ValueError(f"x has {x.shape[1]} tokens, expected {self.n_tokens}")
+    if self.time_buckets and dt is None:
+      raise ValueError("time_buckets > 0 needs dt (B, L)")
+    x_sum = self.x_summary(x)  # (B, m, D)
+    s_cls, s_new = remat_call(type(self)._sequence_arch, self.remat, self, x_sum,
+                              s.astype(self.dtype), valid, dt)  # (B, c, D), (B, L, D)
+    s_sum = self.s_summary(s_cls, s_new, valid)  # (B, c + p + r, D)
+    z = self.interaction(jnp.concatenate([x.astype(self.dtype), s_sum], axis=1))
+    if z.shape[1] not in (self.n_tokens, self.n_tokens + self.n_s_summary):
+      raise ValueError(f"interaction returned {z.shape[1]} tokens; expected {self.n_tokens} "
+                       f"or {self.n_tokens + self.n_s_summary}")
+    return z[:, :self.n_tokens].astype(self.dtype), s_new, x_sum, s_sum
