@@ -17,7 +17,7 @@ header and skipped, so header-less splits work too):
   in-app impressions) is domain 1, site traffic domain 0.
 
 The Kaggle `test` file has no click column (23 fields) and is rejected as bad rows.
-Bad rows: wrong field count, label not 0/1, hour not YYMMDDHH or not a date,
+Bad rows: wrong field count, an id that is not decimal digits, label not 0/1, hour not YYMMDDHH or not a date,
 malformed hex or decimal id.
 """
 from __future__ import annotations
@@ -97,6 +97,8 @@ class AvazuSource(LineSource):
   def parse(self, line: bytes):
     """-> (label, hour_of_day, day_of_week, domain, ids (21 raw ids))."""
     f = text.split_fields(line, b",", len(COLUMNS))
+    if not f[0].isdigit():
+      raise BadRow(f"id: expected a decimal id, got {f[0][:32]!r}")
     label = text.parse_label(f[1], "click")
     hod, dow = parse_hour(f[2])
     ids = [parse(f[i], name) for i, parse, name in self._parsers]

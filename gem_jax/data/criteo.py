@@ -10,12 +10,12 @@ Row format (no header, 40 tab-separated fields):
   sparse feature `B1..B13` with bucket id
     0 missing, 1 for x < 0, 2 + x for x in {0, 1, 2}, 5 + floor(log(x)^2) for x > 2
   (capped at INT_BUCKETS - 1), the Kaggle winners' discretisation.
-* C1..C26: 32-bit hashes as 8 hex characters; empty = missing. Raw int64 ids
+* C1..C26: 32-bit hashes as exactly 8 hex characters; empty = missing. Raw int64 ids
   (`int(C, 16)`), hashed into their tables by the embedding id policy; missing
   -> -1, i.e. an empty bag.
 
 Bad rows (see badrows.py): a field count other than 40, a label other than
-0/1, a non-integer I field, a C field that is not 1-16 hex digits.
+0/1, a non-integer I field, a C field that is not 8 hex digits.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from gem_jax.data.spec import DataSpec, SparseFeatureSpec
 
 N_INT, N_CAT = 13, 26
 N_FIELDS = 1 + N_INT + N_CAT
+CAT_WIDTH = 8          # 32-bit hashes, always 8 hex digits: a shorter one is a damaged field
 INT_BUCKETS = 256
 INT_NAMES = tuple(f"I{i}" for i in range(1, N_INT + 1))
 CAT_NAMES = tuple(f"C{i}" for i in range(1, N_CAT + 1))
@@ -83,7 +84,7 @@ class CriteoSource(LineSource):
     f = text.split_fields(line, b"\t", N_FIELDS)
     label = text.parse_label(f[0])
     ints = [text.parse_int(t, INT_NAMES[j]) if t else None for j, t in enumerate(f[1:14])]
-    cats = [text.parse_hex(t, CAT_NAMES[j]) if t else -1 for j, t in enumerate(f[14:])]
+    cats = [text.parse_hex(t, CAT_NAMES[j], CAT_WIDTH) if t else -1 for j, t in enumerate(f[14:])]
     return label, ints, cats
 
   def collate(self, examples: list) -> dict:

@@ -157,8 +157,9 @@ class BatchIterator:
   def __iter__(self):
     return self
 
-  def _next_records(self) -> list:
-    records = []
+  def _next_records(self) -> tuple[list, bool]:
+    """The next global batch of records, and whether a pass ended inside it."""
+    records, pass_ended = [], False
     while len(records) < self.global_batch_size:
       try:
         records.append(next(self._shuffle))
@@ -167,19 +168,20 @@ class BatchIterator:
         self._shuffle.stream.close()
         if self._epoch_records == 0:
           raise NoDataError(f"{self.source.describe()}: a full pass produced no rows")
-        self.counter.check(end_of_pass=True)
+        pass_ended = True
         if not self.repeat:
           self._done = True
           break
         self._epoch, self._epoch_records = self._epoch + 1, 0
         self._open_epoch()
-    return records
+    return records, pass_ended
 
   def __next__(self) -> dict:
     if self._done:
       raise StopIteration
-    records = self._next_records()
+    records, pass_ended = self._next_records()
     if not records:
+      self.counter.check(end_of_pass=True)
       raise StopIteration
     b = self.local_batch_size
     mine = records[self.process_index * b:(self.process_index + 1) * b]
@@ -191,7 +193,7 @@ class BatchIterator:
       except BadRow as e:
         self.counter.report(self.source.where(rec), str(e))
         examples.append(None)
-    self.counter.check()
+    self.counter.check(end_of_pass=pass_ended)
     examples += [None] * (b - len(examples))
     return self.source.collate(examples)
 

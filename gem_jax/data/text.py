@@ -23,9 +23,9 @@ def parse_int(tok: bytes, name: str) -> int:
   return int(tok)
 
 
-def parse_hex(tok: bytes, name: str) -> int:
-  """A hex id of 1-16 digits as a non-negative int64 (raw id, hashed later)."""
-  if not _HEX.fullmatch(tok):
+def parse_hex(tok: bytes, name: str, width: int | None = None) -> int:
+  """A hex id of 1-16 digits (exactly `width` if given) as a non-negative int64 raw id."""
+  if not _HEX.fullmatch(tok) or (width is not None and len(tok) != width):
     raise BadRow(f"{name}: malformed categorical {tok[:32]!r}")
   return int(tok, 16) & ((1 << 63) - 1)   # 16-digit ids lose their top bit to fit int64
 
