@@ -1,0 +1,207 @@
+"""Wukong interaction stack (arXiv 2403.02545) with cross-layer attention (GEM.md §3.1).
+
+One layer on X in R^{n x d} (per example):
+  FM:   F = X (X^T Y),  Y in R^{n x k} learned                      -> (n, k)
+  FMB:  reshape(MLP(LN(flatten(F))), (n_F, d))                       -> (n_F, d)
+  LCB:  W_L X,  W_L in R^{n_L x n}                                   -> (n_L, d)
+  out:  LN(concat(FMB(X), LCB(X)) + R X)                             -> (n_F + n_L, d)
+with R = I when n = n_F + n_L, else a learned (n_F + n_L) x n projection.
+
+Stack with cross-layer attention [proposal of GEM.md §3.1]: the input of layer
+l >= 1 is  sum_j a_{l,j} X_j  over X_0 (projected to n_F + n_L tokens when n
+differs) and the outputs X_1..X_l of the earlier layers, with
+  a_{l,:} = softmax_j( q_l . mean_n(X_j) / sqrt(d) + c_{l,j} ),
+q_l in R^d initialised at 0 and c_{l,:} initialised so that the newest X_l gets
+weight 1/2 and the older ones share the other 1/2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.layers.dense import param
+from gem_jax.layers.mlp import MLP, LayerNorm, checkpoint_call
+
+Dtype = Any
+
+
+def _token_init(fan_in: int):
+  return nnx.initializers.normal(1.0 / math.sqrt(fan_in))
+
+
+class FM(nnx.Module):
+  """Optimized factorization machine: F = X (X^T Y).   (B, n, d) -> (B, n, k)
+
+  Equals (X X^T) Y, the n x n dot-product interactions compressed to rank k,
+  in 4 n d k FLOPs instead of 2 n^2 d + 2 n^2 k.
+  """
+
+  def __init__(self, n: int, k: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32):
+    self.n, self.k, self.dtype = n, k, dtype
+    self.y = param(rngs, _token_init(n), (n, k), param_dtype, ("tokens", None))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype)
+    y = self.y[...].astype(self.dtype)
+    xty = jnp.einsum("bnd,nk->bdk", x, y, preferred_element_type=jnp.float32)  # (B, d, k)
+    f = jnp.einsum("bnd,bdk->bnk", x, xty.astype(self.dtype),
+                   preferred_element_type=jnp.float32)  # (B, n, k)
+    return f.astype(self.dtype)
+
+
+class FMB(nnx.Module):
+  """FMB(X) = reshape(MLP(LN(flatten(FM(X)))), (n_F, d)).   (B, n, d) -> (B, n_F, d)
+
+  Args:
+    n, d: input tokens and width.  k: FM rank.  n_f: output tokens.
+    mlp_hidden: hidden widths of the MLP (ReLU); its last layer is linear, n_F * d wide.
+  """
+
+  def __init__(self, n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int], *,
+               rngs: nnx.Rngs, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+               fp8: bool = False):
+    self.n_f, self.d = n_f, d
+    self.fm = FM(n, k, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.norm = LayerNorm(n * k, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                          logical_axes=("mlp",))
+    self.mlp = MLP(n * k, tuple(mlp_hidden) + (n_f * d,), rngs=rngs, dtype=dtype,
+                   param_dtype=param_dtype, fp8=fp8, in_axis="mlp")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    f = self.fm(x)  # (B, n, k)
+    h = self.norm(f.reshape(f.shape[0], -1))  # (B, n * k)
+    return self.mlp(h).reshape(-1, self.n_f, self.d)  # (B, n_F, d)
+
+
+class LCB(nnx.Module):
+  """Linear compress block: W_L X.   (B, n, d) -> (B, n_L, d), W_L (n_L, n)."""
+
+  def __init__(self, n: int, n_l: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32):
+    self.dtype = dtype
+    self.w = param(rngs, _token_init(n), (n_l, n), param_dtype, (None, "tokens"))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.einsum("ln,bnd->bld", self.w[...].astype(self.dtype), x.astype(self.dtype),
+                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_L, d)
+
+
+class WukongLayer(nnx.Module):
+  """X' = LN(concat(FMB(X), LCB(X)) + R X).   (B, n, d) -> (B, n_F + n_L, d)
+
+  R is the identity when n == n_F + n_L, else a learned token projection.
+  LayerNorm is per token over d.
+
+  Args:
+    n, d: input tokens and width.  n_f, n_l, k: FMB/LCB outputs and FM rank.
+    mlp_hidden: FMB MLP hidden widths.
+    dtype, param_dtype, fp8: precision (fp8 applies to the FMB MLP's large matmuls).
+    remat: activation checkpointing of the layer (None, 'full', 'dots').
+  """
+
+  def __init__(self, n: int, d: int, *, n_f: int, n_l: int, k: int,
+               mlp_hidden: Sequence[int], rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False, remat: str | None = None):
+    self.n_in, self.n_out, self.d = n, n_f + n_l, d
+    self.dtype, self.remat = dtype, remat
+    self.fmb = FMB(n, d, k, n_f, mlp_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                   fp8=fp8)
+    self.lcb = LCB(n, n_l, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.res = (param(rngs, _token_init(n), (self.n_out, n), param_dtype, (None, "tokens"))
+                if n != self.n_out else None)
+    self.norm = LayerNorm(d, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+  def _forward(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype)
+    y = jnp.concatenate([self.fmb(x), self.lcb(x)], axis=1)  # (B, n_F + n_L, d)
+    if self.res is None:
+      r = x
+    else:
+      r = jnp.einsum("on,bnd->bod", self.res[...].astype(self.dtype), x,
+                     preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_out, d)
+    return self.norm(y.astype(jnp.float32) + r.astype(jnp.float32))  # (B, n_out, d)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return checkpoint_call(lambda m, y: m._forward(y), self.remat, self, x)
+
+
+class CrossLayerAttention(nnx.Module):
+  """Mixes earlier layer outputs into the next layer's input.
+
+    out_l = sum_j a_{l,j} X_j,  a_{l,:} = softmax_j(q_l . mean_n(X_j) / sqrt(d) + c_{l,j})
+
+  One module serves all `num_layers` mixing points; point l (1-based, l >= 1)
+  mixes l + 1 sources. q_l starts at 0 and c_l favours the newest source
+  (weight 1/2, the rest share 1/2).
+  Call: (sources list of (B, n, d), l) -> (B, n, d).
+  """
+
+  def __init__(self, num_points: int, d: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32):
+    self.d, self.dtype = d, dtype
+    zeros = nnx.initializers.zeros_init()
+    self.query = param(rngs, zeros, (max(num_points, 1), d), param_dtype, (None, "embed"))
+    c = jnp.zeros((max(num_points, 1), max(num_points, 1) + 1), jnp.float32)
+    for l in range(1, num_points + 1):
+      c = c.at[l - 1, l].set(math.log(l))  # newest of l + 1 sources: e^{log l} / (l + l) = 1/2
+    self.bias = nnx.Param(c.astype(param_dtype), logical_axes=(None, None))
+
+  def __call__(self, sources: Sequence[jax.Array], l: int) -> jax.Array:
+    xs = jnp.stack([s.astype(jnp.float32) for s in sources], axis=1)  # (B, J, n, d)
+    pooled = jnp.mean(xs, axis=2)  # (B, J, d)
+    q = self.query[...][l - 1].astype(jnp.float32)  # (d,)
+    scores = pooled @ q / math.sqrt(self.d) + self.bias[...][l - 1, :len(sources)]  # (B, J)
+    a = jax.nn.softmax(scores, axis=-1)  # (B, J)
+    return jnp.einsum("bj,bjnd->bnd", a, xs).astype(self.dtype)  # (B, n, d)
+
+
+class WukongStack(nnx.Module):
+  """l Wukong layers, optionally linked by cross-layer attention (module docstring).
+
+  (B, n, d) -> (B, n_F + n_L, d)
+
+  Args:
+    n, d: input tokens and width.
+    num_layers, n_f, n_l, k, mlp_hidden: Wukong knobs (same for every layer).
+    cross_layer: use cross-layer attention; False gives the plain published stack.
+    dtype, param_dtype, fp8, remat: precision and checkpointing, passed to each layer.
+  """
+
+  def __init__(self, n: int, d: int, *, num_layers: int, n_f: int, n_l: int, k: int,
+               mlp_hidden: Sequence[int], cross_layer: bool = True, rngs: nnx.Rngs,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+               fp8: bool = False, remat: str | None = None):
+    n_out = n_f + n_l
+    self.n_in, self.n_out, self.cross_layer = n, n_out, cross_layer
+    self.layers = nnx.List([
+        WukongLayer(n if i == 0 else n_out, d, n_f=n_f, n_l=n_l, k=k, mlp_hidden=mlp_hidden,
+                    rngs=rngs, dtype=dtype, param_dtype=param_dtype, fp8=fp8, remat=remat)
+        for i in range(num_layers)])
+    self.cross = (CrossLayerAttention(num_layers - 1, d, rngs=rngs, dtype=dtype,
+                                      param_dtype=param_dtype)
+                  if cross_layer and num_layers > 1 else None)
+    self.x0_proj = (param(rngs, _token_init(n), (n_out, n), param_dtype, (None, "tokens"))
+                    if self.cross is not None and n != n_out else None)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(self.dtype)
+    if self.cross is None:
+      for layer in self.layers:
+        x = layer(x)  # (B, n_out, d)
+      return x
+    x0 = x
+    if self.x0_proj is not None:
+      x0 = jnp.einsum("on,bnd->bod", self.x0_proj[...].astype(self.dtype), x,
+                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_out, d)
+    sources = [x0]
+    for l, layer in enumerate(self.layers):
+      inp = x if l == 0 else self.cross(sources, l)  # (B, n or n_out, d)
+      x = layer(inp)  # (B, n_out, d)
+      sources.append(x)
+    return x

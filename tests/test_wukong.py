@@ -1,0 +1,125 @@
+"""Wukong: FM / FMB / LCB / layer / stack against numpy, cross-layer attention, FLOPs vs XLA."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax import flops
+from gem_jax.layers.wukong import FM, LCB, WukongLayer, WukongStack
+
+B, N, D = 3, 6, 8
+
+
+def _ln(x, scale, bias):
+  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + 1e-5) * scale + bias
+
+
+def _np_mlp(m, x):
+  for j, layer in enumerate(m.layers):
+    x = x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
+    if j < len(m.layers) - 1:
+      x = np.maximum(x, 0)
+  return x
+
+
+def _np_layer(m, x):
+  """Reference Wukong layer written from the paper's formulas."""
+  p = lambda v: np.asarray(v[...], np.float64)
+  y = p(m.fmb.fm.y)
+  f = np.einsum("bnm,mk->bnk", x @ x.transpose(0, 2, 1), y)  # (X X^T) Y
+  h = _ln(f.reshape(len(x), -1), p(m.fmb.norm.scale), p(m.fmb.norm.bias))
+  fmb = _np_mlp(m.fmb.mlp, h).reshape(len(x), m.fmb.n_f, -1)
+  lcb = np.einsum("ln,bnd->bld", p(m.lcb.w), x)
+  res = x if m.res is None else np.einsum("on,bnd->bod", p(m.res), x)
+  return _ln(np.concatenate([fmb, lcb], 1) + res, p(m.norm.scale), p(m.norm.bias))
+
+
+@pytest.fixture(scope="module")
+def x():
+  return np.random.default_rng(0).normal(size=(B, N, D)).astype(np.float32)
+
+
+def test_fm_equals_full_interaction_times_y(x):
+  fm = FM(N, 4, rngs=nnx.Rngs(0))
+  ref = np.einsum("bnm,mk->bnk", x @ x.transpose(0, 2, 1), np.asarray(fm.y[...]))
+  np.testing.assert_allclose(np.asarray(fm(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_lcb(x):
+  lcb = LCB(N, 5, rngs=nnx.Rngs(1))
+  ref = np.einsum("ln,bnd->bld", np.asarray(lcb.w[...]), x)
+  np.testing.assert_allclose(np.asarray(lcb(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_f,n_l", [(3, 3), (4, 2), (5, 4)])
+def test_wukong_layer_matches_reference(x, n_f, n_l):
+  m = WukongLayer(N, D, n_f=n_f, n_l=n_l, k=4, mlp_hidden=(16,), rngs=nnx.Rngs(2))
+  assert (m.res is None) == (n_f + n_l == N)
+  y = m(jnp.asarray(x))
+  assert y.shape == (B, n_f + n_l, D) and y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), _np_layer(m, x.astype(np.float64)), rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_wukong_layer_bf16_fp8_grads():
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(B, 16, D)), jnp.float32)
+  m = WukongLayer(16, D, n_f=4, n_l=4, k=8, mlp_hidden=(128,), rngs=nnx.Rngs(3),
+                  dtype=jnp.bfloat16, fp8=True, remat="dots")
+  y = m(x)
+  assert y.dtype == jnp.bfloat16 and y.shape == (B, 8, D)
+  assert m.fmb.mlp.layers[0].kernel[...].dtype == jnp.float32
+  assert m.fmb.mlp.layers[0].fp8  # n k = 128 -> 128: fp8; 128 -> n_F d = 32 stays bf16
+  assert not m.fmb.mlp.layers[1].fp8
+  g = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)))(m)
+  leaves = jax.tree.leaves(g)
+  assert all(bool(jnp.all(jnp.isfinite(v))) for v in leaves)
+  assert all(float(jnp.max(jnp.abs(v))) > 0 for v in leaves)
+  assert m.fmb.fm.y.get_metadata()["logical_axes"] == ("tokens", None)
+
+
+def test_stack_cross_layer_attention_matches_reference(x):
+  m = WukongStack(N, D, num_layers=3, n_f=4, n_l=4, k=4, mlp_hidden=(16,), cross_layer=True,
+                  rngs=nnx.Rngs(4))
+  m.cross.query[...] = jax.random.normal(jax.random.key(0), m.cross.query[...].shape)
+  xd = x.astype(np.float64)
+  x0 = np.einsum("on,bnd->bod", np.asarray(m.x0_proj[...]), xd)
+  sources, h = [x0], xd
+  for l, layer in enumerate(m.layers):
+    if l > 0:
+      s = np.stack(sources, 1)  # (B, J, n, d)
+      q = np.asarray(m.cross.query[...])[l - 1]
+      sc = s.mean(2) @ q / np.sqrt(D) + np.asarray(m.cross.bias[...])[l - 1, :len(sources)]
+      a = np.exp(sc - sc.max(-1, keepdims=True))
+      a /= a.sum(-1, keepdims=True)
+      h = np.einsum("bj,bjnd->bnd", a, s)
+    h = _np_layer(layer, h)
+    sources.append(h)
+  np.testing.assert_allclose(np.asarray(m(jnp.asarray(x))), h, rtol=1e-4, atol=1e-4)
+
+
+def test_cross_layer_initial_weights_favour_newest():
+  m = WukongStack(N, D, num_layers=4, n_f=3, n_l=3, k=2, mlp_hidden=(8,), rngs=nnx.Rngs(5))
+  for l in range(1, 4):
+    a = jax.nn.softmax(m.cross.bias[...][l - 1, :l + 1])
+    np.testing.assert_allclose(float(a[l]), 0.5, rtol=1e-6)
+
+
+def _xla_flops(fn, *args):
+  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_wukong_layer_flops_match_xla():
+  n, d, nf, nl, k, h, b = 24, 64, 16, 16, 16, (256, 256), 4
+  m = WukongLayer(n, d, n_f=nf, n_l=nl, k=k, mlp_hidden=h, rngs=nnx.Rngs(0))
+  g, s = nnx.split(m)
+  xla = _xla_flops(lambda s, x: nnx.merge(g, s)(x), s, jnp.ones((b, n, d))) / b
+  ana = flops.wukong_layer_flops(n, d, nf, nl, k, h)
+  assert abs(xla - ana) / ana < 0.10, (xla, ana)
+
+
+def test_wukong_108_preset_flops():
+  fwd = flops.wukong_stack_flops(384, 160, 8, 192, 192, 192, (16384,) * 3)
+  assert 100e9 <= flops.train_flops(fwd) <= 116e9
