@@ -75,6 +75,11 @@ class AlimamaSource(LineSource):
                shuffle_buffer=cfg.get("shuffle_buffer", 0) if train else 0,
                bad_row_limit=cfg.get("bad_row_limit", 0.01))
 
+  @property
+  def shared_vocab(self) -> dict[str, str]:
+    """History features -> the candidate ad feature whose table they share."""
+    return {"his_cate": "cate_id", "his_brand": "brand"}
+
   def parse(self, line: bytes):
     """-> (label, price, pid, one_hot (14,), actions, cates, brands (len each, recent first))."""
     f = text.split_fields(line, b",", N_FIELDS)

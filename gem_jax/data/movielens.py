@@ -247,6 +247,11 @@ class MovieLensSource(StreamingSource):
                shuffle_buffer=cfg.get("shuffle_buffer", 0) if train else 0,
                bad_row_limit=cfg.get("bad_row_limit", 0.01))
 
+  @property
+  def shared_vocab(self) -> dict[str, str]:
+    """History items share the candidate item's table."""
+    return {"hist_item": "item"}
+
   def describe(self) -> str:
     return f"MovieLensSource[{self.split}]({', '.join(self.paths)})"
 
