@@ -5,7 +5,8 @@ checkout): train on its train split, evaluate on its dev split.
 
   python scripts/train.py --config configs/criteo.py --workdir runs/criteo
   python scripts/train.py --config configs/criteo.py --workdir runs/criteo_full \
-    --config.data.train='/data/criteo/day_{0..22}.gz' --config.data.eval=/data/criteo/day_23.gz \
+    --config.data.train='/data/criteo/day_[0-9].gz,/data/criteo/day_1[0-9].gz' \
+    --config.data.eval=/data/criteo/day_23.gz \
     --config.data.vocab_size=10000000 --config.train.steps=100000
 
 `data.train`/`data.eval` take files, comma-separated lists or globs (gzip or plain).

@@ -2,6 +2,7 @@
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 from gem_jax.data import registry
@@ -53,3 +54,23 @@ def test_unknown_kind_and_custom_kind():
   c.data.kind = "mine"
   assert registry.make_sources(c.data) == (("train", "mine"), ("eval", "mine"))
   assert "mine" in registry.kinds()
+
+
+def test_docs_example_source_runs(tmp_path):
+  """The `ClickLog` example of docs/data.md works as printed."""
+  with open(os.path.join(ROOT, "docs", "data.md")) as f:
+    doc = f.read()
+  code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+  scope = {}
+  exec(compile(code, "docs/data.md", "exec"), scope)  # noqa: S102
+  p = tmp_path / "log.csv"
+  p.write_bytes(b"1,ab12,7,2.5\n0,ff,8,0\n1,zz,9,1\n")
+  c = load_config("criteo")
+  c.data.kind, c.data.train, c.data.eval = "clicklog", str(p), str(p)
+  c.data.bad_row_limit = 0.5                  # 1 bad row of 3 is fine here
+  _, ev = registry.make_sources(c.data)
+  b = next(ev.batches(8, repeat=False))
+  assert b["label_mask"][:, 0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]   # row 3 bad (zz), rest padding
+  assert b["ids"]["ad"][:2, 0].tolist() == [0xab12, 0xff]
+  assert b["ids"]["user"][:2, 0].tolist() == [7, 8]
+  assert abs(b["dense"][0, 0] - np.log1p(2.5)) < 1e-6
