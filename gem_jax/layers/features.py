@@ -86,13 +86,13 @@ class SparseProjector(nnx.Module):
   def __call__(self, sparse: Mapping[str, jax.Array]) -> jax.Array:
     out = {}
     for dim, names in self.groups:
-      x = jnp.stack([sparse[n] for n in names], axis=-2).astype(self.dtype)  # (B, G, D_f)
+      x = jnp.stack([sparse[n] for n in names], axis=0).astype(self.dtype)  # (G, B, D_f)
       if dim != self.d:
         w = self.proj[str(dim)][...].astype(self.dtype)  # (G, D_f, d)
-        x = jnp.einsum("bgk,gkd->bgd", x, w,
-                       preferred_element_type=jnp.float32).astype(self.dtype)  # (B, G, d)
+        x = jnp.einsum("gbk,gkd->gbd", x, w,
+                       preferred_element_type=jnp.float32).astype(self.dtype)  # (G, B, d)
       for i, n in enumerate(names):
-        out[n] = x[:, i]
+        out[n] = x[i]
     return jnp.stack([out[n] for n in self.names], axis=1)  # (B, n_sparse, d)
 
 
