@@ -116,6 +116,7 @@ def test_cpu_peak_is_a_measured_probe():
   # 8 simulated devices share this machine's cores: between 0.1 and 1000 GFLOP/s each.
   assert 1e8 < peak < 1e12
   assert report.peak_flops_per_device(jax.devices()[0], "float32") == peak   # cached
+  assert report.peak_flops_per_device(jax.devices()[0], jnp.float8_e4m3fn) == peak
 
 
 def test_mfu_and_throughput():

@@ -219,12 +219,13 @@ def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float 
 
   GPUs/TPUs: from `PEAK_BF16_TFLOPS` (scaled for fp8/fp32 on GPUs); None when
   the device is unknown. CPU: measured once per process by
-  `matmul_probe_flops(dtype)` over all CPU devices (cached).
+  `matmul_probe_flops(dtype)` over all CPU devices (cached; fp32 for dtypes
+  other than bf16/fp16).
   """
   device = jax.devices()[0] if device is None else device
   name = _dtype_name(dtype)
-  if device.platform == "cpu":
-    return matmul_probe_flops(name)
+  if device.platform == "cpu":  # fp8 is emulated on CPU: its peak is the fp32 one
+    return matmul_probe_flops(name if name in ("bfloat16", "float16") else "float32")
   kind = device.device_kind.lower()
   for key, tflops in PEAK_BF16_TFLOPS:
     if key in kind:
