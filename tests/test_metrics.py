@@ -42,6 +42,7 @@ def make_batch(rng, b, t, d):
 
 
 TASKS = ("click", "conversion")
+UPDATE = jax.jit(metrics.update)
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,10 @@ def run():
   """Accumulate 4 batches with a jitted update; returns (computed, raw arrays)."""
   rng = np.random.default_rng(0)
   acc = metrics.init_accumulators(len(TASKS), 3, num_bins=2 ** 12)
-  upd = jax.jit(metrics.update)
   zs, ys, ms, ds = [], [], [], []
   for _ in range(4):
     z, y, m, dom = make_batch(rng, 2000, len(TASKS), 3)
-    acc = upd(acc, z, y, m, dom)
+    acc = UPDATE(acc, z, y, m, dom)
     zs.append(z), ys.append(y), ms.append(m), ds.append(dom)
   raw = tuple(np.concatenate(x) for x in (zs, ys, ms, ds))
   return acc, metrics.compute(acc, TASKS, 3), raw
@@ -78,7 +78,7 @@ def test_auc_exact_when_scores_fall_on_distinct_bins():
   # Scores 0.5 apart never share a bin: the histogram AUC is the exact rank AUC.
   z = np.array([[-2.0], [-1.5], [-1.0], [-0.5], [0.0], [0.5], [1.0]], np.float32)
   y = np.array([[0], [1], [0], [0], [1], [0], [1]], np.float32)
-  acc = metrics.update(metrics.init_accumulators(1, 1, 1024), z, y, np.ones_like(y),
+  acc = UPDATE(metrics.init_accumulators(1, 1, 1024), z, y, np.ones_like(y),
                        np.zeros(7, np.int32))
   out = metrics.compute(acc, ["click"])
   # Positive ranks 2, 5, 7 among 7: U = 14 - 6 = 8 of 3 * 4 pairs.
@@ -106,13 +106,13 @@ def test_label_mask_weights_and_out_of_range_domains_drop():
   rng = np.random.default_rng(1)
   z, y, m, dom = make_batch(rng, 500, 1, 2)
   acc0 = metrics.init_accumulators(1, 2, 256)
-  full = metrics.update(acc0, z, y, m, dom)
+  full = UPDATE(acc0, z, y, m, dom)
   # Appending masked rows and rows of an unknown domain changes nothing.
   z2 = np.concatenate([z, rng.normal(size=(50, 1)).astype(np.float32)])
   y2 = np.concatenate([y, np.ones((50, 1), np.float32)])
   m2 = np.concatenate([m, np.r_[np.zeros(25), np.ones(25)][:, None].astype(np.float32)])
   d2 = np.concatenate([dom, np.r_[np.zeros(25), np.full(25, 7)].astype(np.int32)])
-  padded = metrics.update(acc0, z2, y2, m2, d2)
+  padded = UPDATE(acc0, z2, y2, m2, d2)
   for k in full:
     np.testing.assert_array_equal(np.asarray(full[k]), np.asarray(padded[k]))
 
@@ -121,8 +121,8 @@ def test_streaming_equals_one_shot_and_reset():
   rng = np.random.default_rng(2)
   z, y, m, dom = make_batch(rng, 600, 2, 1)
   acc0 = metrics.init_accumulators(2, 1, 512)
-  one = metrics.update(acc0, z, y, m, dom)
-  two = metrics.update(metrics.update(acc0, z[:250], y[:250], m[:250], dom[:250]),
+  one = UPDATE(acc0, z, y, m, dom)
+  two = UPDATE(UPDATE(acc0, z[:250], y[:250], m[:250], dom[:250]),
                        z[250:], y[250:], m[250:], dom[250:])
   for k in one:
     np.testing.assert_allclose(np.asarray(one[k]), np.asarray(two[k]), rtol=1e-6)
@@ -137,10 +137,28 @@ def test_streaming_equals_one_shot_and_reset():
 def test_extreme_logits_land_in_edge_bins():
   z = np.array([[-1e4], [1e4], [np.float32(30.0)]], np.float32)
   y = np.array([[0], [1], [1]], np.float32)
-  acc = metrics.update(metrics.init_accumulators(1, 1, 64), z, y, np.ones_like(y),
+  acc = UPDATE(metrics.init_accumulators(1, 1, 64), z, y, np.ones_like(y),
                        np.zeros(3, np.int32))
   h = np.asarray(acc["hist"])[0, 0]
   assert h[0, 0] == 1 and h[1, 63] == 2 and h.sum() == 3
   out = metrics.compute(acc, ["click"])
   assert out["auc/click"] == 1.0
   assert np.isfinite(out["logloss/click"]) and out["logloss/click"] < 1e-6
+
+
+def test_update_in_a_sharded_jit_matches_single_device(mesh8):
+  """Batch split over the 8-device mesh, accumulators replicated (as in the train state)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  rng = np.random.default_rng(3)
+  z, y, m, dom = make_batch(rng, 512, 2, 3)
+  acc0 = metrics.init_accumulators(2, 3, 1024)
+  want = UPDATE(acc0, z, y, m, dom)
+  rep = NamedSharding(mesh8, P())
+  rows = NamedSharding(mesh8, P(("replica", "shard")))
+  acc_sh = jax.tree.map(lambda _: rep, acc0)
+  f = jax.jit(metrics.update, in_shardings=(acc_sh, rows, rows, rows, rows),
+              out_shardings=acc_sh, donate_argnums=0)
+  got = f(jax.device_put(acc0, rep), *(jax.device_put(x, rows) for x in (z, y, m, dom)))
+  for k in want:
+    assert got[k].sharding == rep
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-6)
