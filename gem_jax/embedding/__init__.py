@@ -1,1 +1,18 @@
+"""Sharded embedding engine: tables over the ('replica', 'shard') mesh, exchanges, sparse optimizers.
 
+See docs/embedding.md for an example and the exchange algorithms.
+"""
+from gem_jax.embedding.config import (FeatureConfig, SparseOptimizerConfig, TableConfig,
+                                      normal_init, uniform_init)
+from gem_jax.embedding.exchange import gather_rows, lookup, pool_rows, valid_mask
+from gem_jax.embedding.ids import apply_id_policy, hash_ids, prepare_ids
+from gem_jax.embedding.plan import EmbeddingPlan, plan_embeddings
+from gem_jax.embedding.state import export_state, import_state, init_embedding_state
+from gem_jax.embedding.update import apply_sparse_updates
+
+__all__ = [
+    "TableConfig", "FeatureConfig", "SparseOptimizerConfig", "uniform_init", "normal_init",
+    "plan_embeddings", "EmbeddingPlan", "init_embedding_state", "prepare_ids", "hash_ids",
+    "apply_id_policy", "gather_rows", "pool_rows", "lookup", "valid_mask",
+    "apply_sparse_updates", "export_state", "import_state",
+]

@@ -1,0 +1,120 @@
+"""Plain configs of the embedding engine: tables, the features that read them, the optimizer.
+
+A *table* is a (rows, dim) matrix of embeddings; a *feature* is one column of the
+batch (`batch['ids'][feature]`, shape (B, bag)) whose ids index one table. Several
+features may share a table (the ad-id table read by the candidate ad and by the
+ad history). A feature's pooling turns its bag of ids into one vector per example
+(`sum`, `mean`) or keeps one vector per id (`none`, sequence features: (B, L, D)).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+Initializer = Callable[[jax.Array, tuple[int, ...], Dtype], jax.Array]
+
+SHARDING_TYPES = ("auto", "table_wise", "row_wise", "column_wise", "replicated")
+ID_POLICIES = ("hash", "error", "clip")
+POOLINGS = ("sum", "mean", "none")
+OPTIMIZERS = ("rowwise_adagrad", "sgd", "adam")
+
+
+def uniform_init(scale: float | None = None) -> Initializer:
+  """U(-s, s) with s = `scale`, or 1/sqrt(rows) when None (TorchRec's default)."""
+  def init(key, shape, dtype):
+    s = scale if scale is not None else 1.0 / max(shape[0], 1) ** 0.5
+    return jax.random.uniform(key, shape, jnp.float32, -s, s).astype(dtype)
+  return init
+
+
+def normal_init(stddev: float = 0.01) -> Initializer:
+  """N(0, stddev^2)."""
+  def init(key, shape, dtype):
+    return (stddev * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return init
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+  """One embedding table of `rows` x `dim`.
+
+  Args:
+    name: unique table name (the key of the canonical state).
+    rows: number of rows (vocabulary or hash buckets).
+    dim: embedding width D.
+    dtype: storage dtype of the weights (optimizer slots are fp32).
+    sharding: 'table_wise' (whole table on one 'shard' device), 'row_wise'
+      (contiguous row blocks over 'shard'), 'column_wise' (column blocks over
+      'shard'), 'replicated' (every device), or 'auto' (the planner decides).
+    initializer: `init(key, (rows, dim), dtype) -> array`.
+    id_policy: what `prepare_ids` does with ids >= rows: 'hash' (raw 64-bit ids
+      are hashed into range, also those already in range), 'error' or 'clip'.
+  """
+  name: str
+  rows: int
+  dim: int
+  dtype: Dtype = jnp.float32
+  sharding: str = "auto"
+  initializer: Initializer = dataclasses.field(default_factory=uniform_init)
+  id_policy: str = "hash"
+
+  def __post_init__(self):
+    if self.rows <= 0 or self.dim <= 0:
+      raise ValueError(f"table {self.name!r}: rows and dim must be positive, got "
+                       f"rows={self.rows} dim={self.dim}")
+    if self.sharding not in SHARDING_TYPES:
+      raise ValueError(f"table {self.name!r}: sharding {self.sharding!r} not in {SHARDING_TYPES}")
+    if self.id_policy not in ID_POLICIES:
+      raise ValueError(f"table {self.name!r}: id_policy {self.id_policy!r} not in {ID_POLICIES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+  """A sparse feature: `bag` ids per example (L for sequences) looked up in `table`.
+
+  Pooling: 'sum' -> sum_i w_i e_i; 'mean' -> sum_i w_i e_i / n_valid (0 for an
+  empty bag); 'none' -> one row per id, (B, L, D), zeros at padding (-1) ids.
+  """
+  name: str
+  table: str
+  bag: int = 1
+  pooling: str = "sum"
+
+  def __post_init__(self):
+    if self.bag <= 0:
+      raise ValueError(f"feature {self.name!r}: bag must be positive, got {self.bag}")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"feature {self.name!r}: pooling {self.pooling!r} not in {POOLINGS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOptimizerConfig:
+  """The optimizer applied in place to the looked-up rows (see docs/embedding.md).
+
+  rowwise_adagrad (FBGEMM): s += mean_j g_j^2 (one s per row); w -= lr g / (sqrt(s) + eps).
+  sgd: w -= lr g.
+  adam (lazy: only rows present in the batch move): m = b1 m + (1-b1) g,
+    v = b2 v + (1-b2) g^2, w -= lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps),
+    t = number of update steps taken (global).
+  """
+  kind: str = "rowwise_adagrad"
+  lr: float = 0.01
+  eps: float = 1e-8
+  beta1: float = 0.9
+  beta2: float = 0.999
+  initial_accumulator: float = 0.0
+
+  def __post_init__(self):
+    if self.kind not in OPTIMIZERS:
+      raise ValueError(f"sparse optimizer {self.kind!r} not in {OPTIMIZERS}")
+
+  def slot_names(self) -> tuple[str, ...]:
+    return {"rowwise_adagrad": ("accumulator",), "sgd": (), "adam": ("m", "v", "step")}[self.kind]
+
+  def slot_bytes_per_row(self, dim: int) -> int:
+    """fp32 bytes of optimizer state per table row of width `dim`."""
+    return {"rowwise_adagrad": 4, "sgd": 0, "adam": 8 * dim}[self.kind]

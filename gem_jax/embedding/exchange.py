@@ -1,0 +1,272 @@
+"""Sharded lookups: ids -> owners -> local gather (`gather_rows`) -> pool -> back (`pool_rows`).
+
+Everything runs inside one `jax.shard_map` over the mesh ('replica', 'shard'):
+the batch is split over both axes (b = B / (R S) examples per device), tables
+over 'shard' and replicated over 'replica', so every exchange below happens
+inside one replica group, along 'shard'. `rows` (what the owners gathered) is
+the differentiable leaf: d loss / d rows lands on the owner of each row, where
+`apply_sparse_updates` consumes it; no table-sized gradient exists anywhere.
+
+Exchange per sharding type (S = 3 shards, b = 2 examples per device, bag 2;
+device s holds examples e(s,0), e(s,1); '.' = padding id -1):
+
+table_wise (`_tw_*`). Features are laid out in send slots per owner
+(`layout.slot_table`): f and g on shard 0, h on shard 2 gives slots
+[[f, g], [., .], [h, .]], P = 2. Each device sends slot row j to shard j:
+  device 1 sends  to 0: [ids_f(e10,e11), ids_g(...)]   to 1: [., .]   to 2: [ids_h(...), .]
+  `all_to_all` (split 0, concat 0): shard 0 receives, per source s = 0, 1, 2,
+  the f and g ids of e(s, .), i.e. a (S, P, b, bag) block, already turned into
+  rows of its packed block (id + table offset) by the sender;
+  shard 0 gathers (S, P, b, bag, D), pools over bag -> (S, P, b, D) and a
+  second `all_to_all` returns slot (j, p) to its requester: device 1 gets
+  [[f(e10,e11), g(...)], [pad], [h(...), pad]] and unpacks its features.
+  Padding slots cost traffic only when shards own unequal feature counts.
+
+row_wise (`_rw_*`): ids all-gathered, partial pools reduce-scattered (exact, no
+capacity to overflow). Rows [0, 4) of a 10-row table are on shard 0, [4, 8) on
+1, [8, 10) on 2 (rps = 4). Device 1 holds bags e10 = [5, 9], e11 = [0, .]:
+  `all_gather` over 'shard' -> every shard sees all 3 b bags;
+  shard 0 gathers row 0 for e11 (other ids masked to zero rows), shard 1 row 5
+  for e10, shard 2 row 9 for e10, each pooling its partial sums per bag;
+  `psum_scatter` over 'shard' sums the partials and hands device 1 the pooled
+  e10 = w5 + w9 and e11 = w0. Sequences ('none') skip the pooling.
+
+column_wise (`_cw_*`): every shard holds columns [j cps, (j+1) cps) of all
+rows. Ids are all-gathered (each shard needs all of them), each shard gathers
+and pools its column block for all S b bags, and an `all_to_all` (split over
+the source batch blocks) gives device s the S column blocks of its own b
+examples, concatenated back to width D.
+
+replicated (`_rep_*`): local gather and pool, no exchange.
+"""
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
+
+DEV = P("replica", "shard")   # spec of per-device leaves (rows, ctx): (R, S, ...)
+
+
+def _masked_take(w, rows):
+  """w[rows] with zero rows where rows < 0.  rows (...,) int32, w (N, D) -> (..., D)."""
+  valid = rows >= 0
+  out = jnp.take(w, jnp.where(valid, rows, 0), axis=0)
+  return jnp.where(valid[..., None], out, jnp.zeros((), w.dtype))
+
+
+def _pad_bag(x, bag, fill):
+  """(b, n) -> (b, bag), padded on the right with `fill`."""
+  return jnp.pad(x, ((0, 0), (0, bag - x.shape[1])), constant_values=fill)
+
+
+def _bag_weights(plan: EmbeddingPlan, f: str, ids, weights):
+  """Per-id pooling weights (b, bag) of feature f: given weights or 1, 0 at padding."""
+  w = weights.get(f) if weights else None
+  w = jnp.ones(ids.shape, jnp.float32) if w is None else w.astype(jnp.float32)
+  return jnp.where(ids >= 0, w, 0.0)
+
+
+# ---- table_wise --------------------------------------------------------------------
+def _tw_send(plan, u: Unit, per_feature, fill, dtype):
+  """Stacks per-feature (b, bag_f) arrays into the (S, P, b, bag) send buffer."""
+  b = plan.local_batch
+  blocks = []
+  for slot_row in u.slots:
+    row = []
+    for i in slot_row:
+      if i < 0:
+        row.append(jnp.full((b, u.bag), fill, dtype))
+      else:
+        row.append(_pad_bag(per_feature[u.features[i]].astype(dtype), u.bag, fill))
+    blocks.append(jnp.stack(row))
+  return jnp.stack(blocks)   # (S, P, b, bag)
+
+
+def _tw_gather(plan, u: Unit, w, ids):
+  buf = plan.buffers[u.buffer]
+  local_rows = {}
+  for f in u.features:
+    i = buf.tables.index(plan.features[f].table)
+    local_rows[f] = jnp.where(ids[f] >= 0, ids[f] + buf.offsets[i], -1)
+  send = _tw_send(plan, u, local_rows, -1, jnp.int32)        # (S, P, b, bag)
+  recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)  # (S, P, b, bag) from each source
+  return _masked_take(w, recv), recv                          # (S, P, b, bag, D)
+
+
+def _tw_pool(plan, u: Unit, rows, row_idx, weights):
+  if weights and any(f in weights for f in u.features):
+    wl = {f: weights.get(f, jnp.ones((plan.local_batch, plan.features[f].bag), jnp.float32))
+          for f in u.features}
+    wr = jax.lax.all_to_all(_tw_send(plan, u, wl, 0.0, jnp.float32), "shard", 0, 0, tiled=True)
+  else:
+    wr = jnp.ones(row_idx.shape, jnp.float32)
+  wr = jnp.where(row_idx >= 0, wr, 0.0).astype(rows.dtype)    # (S, P, b, bag)
+  if u.pooled:
+    out = jnp.einsum("spbl,spbld->spbd", wr, rows)           # (S, P, b, D)
+  else:
+    out = rows * wr[..., None]                                # (S, P, b, L, D)
+  back = jax.lax.all_to_all(out, "shard", 0, 0, tiled=True)  # slot (j, p) of my examples
+  res = {}
+  for j, slot_row in enumerate(u.slots):
+    for p, i in enumerate(slot_row):
+      if i >= 0:
+        f = u.features[i]
+        res[f] = back[j, p] if u.pooled else back[j, p, :, :plan.features[f].bag]
+  return res
+
+
+# ---- row_wise ----------------------------------------------------------------------
+def _rw_gather(plan, u: Unit, w, ids):
+  ids = ids[u.features[0]]
+  rps = plan.buffers[u.buffer].local_rows
+  g = jax.lax.all_gather(ids, "shard", axis=0, tiled=True)   # (S b, bag) all bags of the group
+  local = g - jax.lax.axis_index("shard") * rps
+  row = jnp.where((g >= 0) & (local >= 0) & (local < rps), local, -1)
+  return _masked_take(w, row), row                            # (S b, bag, D)
+
+
+def _rw_pool(plan, u: Unit, rows, row_idx, weights):
+  f = u.features[0]
+  wts = weights.get(f) if weights else None
+  if wts is None:
+    wts = jnp.ones(row_idx.shape, jnp.float32)
+  else:
+    wts = jax.lax.all_gather(wts.astype(jnp.float32), "shard", axis=0, tiled=True)
+  wts = jnp.where(row_idx >= 0, wts, 0.0).astype(rows.dtype)  # (S b, bag)
+  if u.pooled:
+    part = jnp.einsum("nl,nld->nd", wts, rows)                # (S b, D) partial pools
+  else:
+    part = rows * wts[..., None]                              # (S b, L, D)
+  return {f: jax.lax.psum_scatter(part, "shard", scatter_dimension=0, tiled=True)}
+
+
+# ---- column_wise -------------------------------------------------------------------
+def _cw_gather(plan, u: Unit, w, ids):
+  g = jax.lax.all_gather(ids[u.features[0]], "shard", axis=0, tiled=True)  # (S b, bag)
+  row = jnp.where(g >= 0, g, -1)
+  return _masked_take(w, row), row                           # (S b, bag, cps)
+
+
+def _cw_pool(plan, u: Unit, rows, row_idx, weights):
+  f = u.features[0]
+  S, b, D = plan.num_shards, plan.local_batch, plan.buffers[u.buffer].dim
+  wts = weights.get(f) if weights else None
+  if wts is None:
+    wts = jnp.ones(row_idx.shape, jnp.float32)
+  else:
+    wts = jax.lax.all_gather(wts.astype(jnp.float32), "shard", axis=0, tiled=True)
+  wts = jnp.where(row_idx >= 0, wts, 0.0).astype(rows.dtype)
+  if u.pooled:
+    part = jnp.einsum("nl,nld->nd", wts, rows).reshape(S, b, -1)        # (S, b, cps)
+    back = jax.lax.all_to_all(part, "shard", 0, 0, tiled=True)         # [j] = cols j, my b
+    return {f: jnp.moveaxis(back, 0, 1).reshape(b, -1)[:, :D]}        # (b, D)
+  part = (rows * wts[..., None]).reshape(S, b, u.bag, -1)             # (S, b, L, cps)
+  back = jax.lax.all_to_all(part, "shard", 0, 0, tiled=True)
+  return {f: jnp.moveaxis(back, 0, 2).reshape(b, u.bag, -1)[..., :D]}  # (b, L, D)
+
+
+# ---- replicated --------------------------------------------------------------------
+def _rep_gather(plan, u: Unit, w, ids):
+  row = ids[u.features[0]]
+  return _masked_take(w, row), row                           # (b, bag, D)
+
+
+def _rep_pool(plan, u: Unit, rows, row_idx, weights):
+  f = u.features[0]
+  wts = _bag_weights(plan, f, row_idx, weights).astype(rows.dtype)
+  if u.pooled:
+    return {f: jnp.einsum("bl,bld->bd", wts, rows)}
+  return {f: rows * wts[..., None]}
+
+
+_GATHER = {"table_wise": _tw_gather, "row_wise": _rw_gather, "column_wise": _cw_gather,
+           "replicated": _rep_gather}
+_POOL = {"table_wise": _tw_pool, "row_wise": _rw_pool, "column_wise": _cw_pool,
+         "replicated": _rep_pool}
+
+
+# ---- public ------------------------------------------------------------------------
+def _dev(x):
+  return x[None, None]
+
+
+def _undev(x):
+  return x[0, 0]
+
+
+def gather_rows(plan: EmbeddingPlan, state, ids):
+  """ids -> owners -> local gather. Call inside or outside jit.
+
+  Args:
+    plan: the embedding plan.
+    state: the embedding state (only the 'weight' leaves are read).
+    ids: {feature: int32 (B, bag)} from `prepare_ids`, -1 = padding, sharded
+      like `plan.ids_shardings()`.
+  Returns:
+    rows: {unit: (R, S, ...per-device rows..., D_local)}, the differentiable leaf;
+    ctx: {'row': {unit: int32 (R, S, ...)} row of each gathered id in its owner's
+      local buffer (-1: none), 'count': {feature: float32 (B,)} valid ids of
+      'mean' features}.
+  """
+  weights_in = {name: state[name]["weight"] for name in plan.buffers}
+  w_specs = {name: buf.weight_spec() for name, buf in plan.buffers.items()}
+  id_specs = {f: P(BATCH, None) for f in plan.features}
+  mean_feats = [f for f, c in plan.features.items() if c.pooling == "mean"]
+
+  def body(weights, ids):
+    rows, row_idx = {}, {}
+    for name, u in plan.units.items():
+      r, idx = _GATHER[u.kind](plan, u, weights[u.buffer], ids)
+      rows[name], row_idx[name] = _dev(r), _dev(idx)
+    count = {f: jnp.sum(ids[f] >= 0, axis=1).astype(jnp.float32) for f in mean_feats}
+    return rows, {"row": row_idx, "count": count}
+
+  out_specs = ({n: DEV for n in plan.units},
+               {"row": {n: DEV for n in plan.units}, "count": {f: P(BATCH) for f in mean_feats}})
+  fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs), out_specs=out_specs)
+  return fn(weights_in, dict(ids))
+
+
+def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
+  """Pools gathered rows on their owners and sends the results back to the requesters.
+
+  Args:
+    rows, ctx: from `gather_rows` (rows may be replaced by anything of the same
+      structure, e.g. inside `jax.grad`).
+    weights: optional {feature: float (B, bag)} per-id weights (absent: 1).
+  Returns:
+    {feature: (B, D)} for 'sum'/'mean' features, {feature: (B, L, D)} with zero
+    rows at padding for 'none' features; mean = sum_i w_i e_i / n_valid (0 if empty).
+  """
+  weights = dict(weights or {})
+  w_specs = {f: P(BATCH, None) for f in weights}
+
+  def body(rows, row_idx, count, weights):
+    out = {}
+    for name, u in plan.units.items():
+      out.update(_POOL[u.kind](plan, u, _undev(rows[name]), _undev(row_idx[name]), weights))
+    for f, c in count.items():
+      out[f] = out[f] / jnp.maximum(c, 1.0)[:, None].astype(out[f].dtype)
+    return out
+
+  out_specs = {f: (P(BATCH, None) if c.pooling != "none" else P(BATCH, None, None))
+               for f, c in plan.features.items()}
+  in_specs = ({n: DEV for n in plan.units}, {n: DEV for n in plan.units},
+              {f: P(BATCH) for f in ctx["count"]}, w_specs)
+  fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)
+  return fn(rows, ctx["row"], ctx["count"], weights)
+
+
+def lookup(plan: EmbeddingPlan, state, ids, weights=None):
+  """`pool_rows(plan, *gather_rows(plan, state, ids), weights)`: {feature: embeddings}."""
+  rows, ctx = gather_rows(plan, state, ids)
+  return pool_rows(plan, rows, ctx, weights)
+
+
+def valid_mask(ids):
+  """{feature: bool (B, L)}: True at real ids (the validity mask of sequence lookups)."""
+  return {f: x >= 0 for f, x in ids.items()}

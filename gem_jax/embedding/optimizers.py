@@ -1,0 +1,85 @@
+"""Sparse optimizers: row-gradient deduplication and in-place row updates.
+
+All functions work on one device's local buffer and a list of (row, gradient)
+pairs; rows < 0 are ignored. Updates gather the touched rows, compute in fp32
+and scatter them back (`mode='drop'` for the unused dedup slots), so on a
+donated buffer XLA updates in place and the cost scales with the batch.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gem_jax.embedding.config import SparseOptimizerConfig
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def dedup_rows(rows: jax.Array, grads: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Sums the gradients of duplicate rows.
+
+  Args:
+    rows: int32 (n,), -1 = nothing.
+    grads: (n, D).
+  Returns:
+    (unique rows (n,) ascending then -1 padding, summed gradients (n, D), zeros
+    at padding). Example: rows [3, -1, 3, 1] -> [1, 3, -1, -1], [g3, g0 + g2, 0, 0].
+  """
+  n = rows.shape[0]
+  key = jnp.where(rows < 0, _BIG, rows)
+  order = jnp.argsort(key, stable=True)
+  skey = key[order]                                                   # (n,)
+  first = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+  seg = jnp.cumsum(first) - 1                                         # (n,) segment of each
+  uniq = jnp.full((n,), _BIG, jnp.int32).at[seg].set(skey)
+  summed = jax.ops.segment_sum(grads[order].astype(jnp.float32), seg, num_segments=n)
+  valid = uniq != _BIG
+  return jnp.where(valid, uniq, -1), jnp.where(valid[:, None], summed, 0.0)
+
+
+def _take(x, idx):
+  return jnp.take(x, jnp.maximum(idx, 0), axis=0)
+
+
+def _put(x, idx, val):
+  """x[idx] = val for idx >= 0, in place; idx < 0 dropped."""
+  safe = jnp.where(idx >= 0, idx, x.shape[0])
+  return x.at[safe].set(val.astype(x.dtype), mode="drop")
+
+
+def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.Array,
+               g2_mean: jax.Array, lr) -> dict:
+  """One optimizer step on the unique rows `uniq` of a local buffer.
+
+  Args:
+    opt: optimizer config.
+    slots: {'weight': (N, D), and 'accumulator' (N,) | 'm', 'v' (N, D), 'step' ()}.
+    uniq: int32 (n,) unique local rows, -1 = padding.
+    g: float32 (n, D) summed row gradients.
+    g2_mean: float32 (n,) mean over the table's full width of g^2 (row-wise Adagrad).
+    lr: learning rate (python float or traced scalar).
+  Returns:
+    The updated `slots` dict.
+  """
+  w = _take(slots["weight"], uniq).astype(jnp.float32)           # (n, D)
+  out = dict(slots)
+  if opt.kind == "sgd":
+    out["weight"] = _put(slots["weight"], uniq, w - lr * g)
+  elif opt.kind == "rowwise_adagrad":
+    s = _take(slots["accumulator"], uniq) + g2_mean               # (n,)
+    out["accumulator"] = _put(slots["accumulator"], uniq, s)
+    out["weight"] = _put(slots["weight"], uniq, w - lr * g / (jnp.sqrt(s)[:, None] + opt.eps))
+  elif opt.kind == "adam":
+    t = slots["step"] + 1
+    m = opt.beta1 * _take(slots["m"], uniq) + (1 - opt.beta1) * g
+    v = opt.beta2 * _take(slots["v"], uniq) + (1 - opt.beta2) * g * g
+    tf = t.astype(jnp.float32)
+    m_hat = m / (1 - opt.beta1 ** tf)
+    v_hat = v / (1 - opt.beta2 ** tf)
+    out["m"] = _put(slots["m"], uniq, m)
+    out["v"] = _put(slots["v"], uniq, v)
+    out["step"] = t
+    out["weight"] = _put(slots["weight"], uniq, w - lr * m_hat / (jnp.sqrt(v_hat) + opt.eps))
+  else:
+    raise ValueError(f"unknown sparse optimizer {opt.kind!r}")
+  return out

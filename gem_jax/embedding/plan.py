@@ -1,0 +1,387 @@
+"""The planner: tables + features + mesh + memory budget -> an `EmbeddingPlan`.
+
+Storage ("buffers", the leaves of the embedding state; S = 'shard' size):
+  * table_wise tables of the same (dim, dtype) are packed into one buffer of
+    global shape (S * cap, D), split by rows over 'shard': shard j's block holds
+    the tables it owns, each at a row offset (`layout.block_offsets`);
+  * a row_wise table is a (S * rps, D) buffer, rps = ceil(rows / S), split by rows;
+  * a column_wise table is a (rows, S * cps) buffer, cps = ceil(D / S), split by
+    columns (the padding columns stay zero);
+  * a replicated table is a (rows, D) buffer on every device.
+Every buffer is replicated over 'replica'.
+
+Exchange units (the keys of `rows` and `ctx`): one per table-wise buffer and
+pooling class ('pooled' or 'seq'), and one per feature otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gem_jax.embedding import layout
+from gem_jax.embedding.config import FeatureConfig, SparseOptimizerConfig, TableConfig
+
+BATCH = ("replica", "shard")
+REPLICATE_MAX_BYTES = 1 << 18   # 'auto': tables up to 256 KiB (with slots) are replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One leaf group of the state: a weight matrix (+ slots) holding one or more tables."""
+  name: str
+  kind: str                      # table_wise | row_wise | column_wise | replicated
+  dim: int                       # true embedding width D
+  local_dim: int                 # width held per device (cps for column_wise)
+  dtype: object
+  tables: tuple[str, ...]
+  rows: int                      # global rows of the weight buffer (padded)
+  local_rows: int                # rows held per device
+  owners: tuple[int, ...] = ()   # table_wise: owner shard of each table
+  offsets: tuple[int, ...] = ()  # table_wise: row offset of each table in its block
+
+  num_shards: int = 1
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """Global (padded) shape of the weight buffer."""
+    if self.kind == "column_wise":
+      return (self.rows, self.local_dim * self.num_shards)
+    return (self.rows, self.dim)
+
+  def weight_spec(self) -> P:
+    return {"table_wise": P("shard", None), "row_wise": P("shard", None),
+            "column_wise": P(None, "shard"), "replicated": P(None, None)}[self.kind]
+
+  def row_spec(self) -> P:
+    """Spec of per-row slots (the row-wise Adagrad accumulator)."""
+    return P("shard") if self.kind in ("table_wise", "row_wise") else P()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One exchange: a set of features looked up together (the keys of rows/ctx)."""
+  name: str
+  kind: str
+  buffer: str
+  features: tuple[str, ...]
+  pooled: bool
+  bag: int                                  # ids per example (max over features)
+  slots: tuple[tuple[int, ...], ...] = ()   # table_wise: slots[j][p] = index into features
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingPlan:
+  """Placement of every table and the exchanges of every feature on `mesh`."""
+  mesh: Mesh
+  tables: dict[str, TableConfig]
+  features: dict[str, FeatureConfig]
+  optimizer: SparseOptimizerConfig
+  batch_size: int
+  sharding: dict[str, str]        # table -> chosen sharding type
+  buffers: dict[str, Buffer]
+  units: dict[str, Unit]
+  buffer_of: dict[str, str]       # table -> buffer name
+
+  @property
+  def num_replicas(self) -> int:
+    return self.mesh.shape["replica"]
+
+  @property
+  def num_shards(self) -> int:
+    return self.mesh.shape["shard"]
+
+  @property
+  def local_batch(self) -> int:
+    return self.batch_size // (self.num_replicas * self.num_shards)
+
+  # ---- shardings -----------------------------------------------------------------
+  def _ns(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  def state_specs(self) -> dict:
+    specs = {}
+    for name, buf in self.buffers.items():
+      s = {"weight": buf.weight_spec()}
+      for slot in self.optimizer.slot_names():
+        s[slot] = {"accumulator": buf.row_spec(), "m": buf.weight_spec(),
+                   "v": buf.weight_spec(), "step": P()}[slot]
+      specs[name] = s
+    return specs
+
+  def state_shardings(self) -> dict:
+    """A pytree of NamedSharding matching the embedding state."""
+    return {b: {k: self._ns(s) for k, s in d.items()} for b, d in self.state_specs().items()}
+
+  def ids_shardings(self) -> dict[str, NamedSharding]:
+    """Batch split over ('replica', 'shard'): one NamedSharding per feature."""
+    return {f: self._ns(P(BATCH, None)) for f in self.features}
+
+  def canonical_shardings(self) -> dict:
+    """Shardings of `export_state`'s unpadded arrays (row-split where rows divide evenly)."""
+    out = {}
+    for t, cfg in self.tables.items():
+      s = {"weight": self._ns(layout.canonical_spec(cfg.rows, cfg.dim, self.num_shards))}
+      for slot in self.optimizer.slot_names():
+        if slot == "accumulator":
+          s[slot] = self._ns(layout.canonical_spec(cfg.rows, None, self.num_shards))
+        elif slot == "step":
+          s[slot] = self._ns(P())
+        else:
+          s[slot] = s["weight"]
+      out[t] = s
+    return out
+
+  # ---- sizes -----------------------------------------------------------------------
+  def unit_rows_shape(self, u: Unit) -> tuple[int, ...]:
+    """Per-device shape of the `rows` leaf of unit `u` (ids, then width)."""
+    S, b, buf = self.num_shards, self.local_batch, self.buffers[u.buffer]
+    if u.kind == "table_wise":
+      return (S, len(u.slots[0]), b, u.bag, buf.dim)
+    if u.kind == "replicated":
+      return (b, u.bag, buf.dim)
+    return (S * b, u.bag, buf.local_dim)
+
+  def device_bytes(self) -> dict[str, int]:
+    """Bytes of weights + optimizer slots held by each device, per buffer."""
+    out = {}
+    for name, buf in self.buffers.items():
+      itemsize = jnp.dtype(buf.dtype).itemsize
+      w = buf.local_rows * buf.local_dim * itemsize
+      slots = buf.local_rows * self.optimizer.slot_bytes_per_row(buf.local_dim)
+      if buf.kind == "column_wise" and self.optimizer.kind == "rowwise_adagrad":
+        slots = buf.rows * 4
+      out[name] = w + slots
+    return out
+
+  def exchange_bytes(self) -> dict[str, int]:
+    """Bytes each device sends per training step, per unit (forward ids and rows out,
+    backward gradients, and the replica gather of row gradients for the update).
+
+    All sizes are those of the padded buffers actually moved, counting only the
+    (n-1)/n part that leaves the device.
+    """
+    R, S, b = self.num_replicas, self.num_shards, self.local_batch
+    out = {}
+    for name, u in self.units.items():
+      buf = self.buffers[u.buffer]
+      isz = jnp.dtype(buf.dtype).itemsize
+      ids = layout.nbytes(self.unit_rows_shape(u)[:-1], 4)       # gathered id slots
+      n_rows = ids // 4
+      width = self.unit_rows_shape(u)[-1]
+      out_rows = n_rows if not u.pooled else n_rows // u.bag
+      frac_s = (S - 1) / S
+      if u.kind == "replicated":
+        fwd = 0
+        upd = (R * S - 1) * n_rows * (width * 4 + 4)
+      else:
+        # ids in (all_to_all / all_gather), embeddings back, their gradients out again.
+        fwd = frac_s * (ids + 2 * out_rows * width * isz)
+        upd = (R - 1) * n_rows * (width * 4 + 4)
+      out[name] = int(fwd + upd)
+    return out
+
+  def lookups_per_device(self) -> np.ndarray:
+    """Expected (uniform ids) valid lookups served per device per step, (S,) over shards."""
+    S, B, R = self.num_shards, self.batch_size, self.num_replicas
+    load = np.zeros(S)
+    for f in self.features.values():
+      t = self.tables[f.table]
+      buf = self.buffers[self.buffer_of[f.table]]
+      n = B * f.bag / R   # per replica group
+      if buf.kind == "table_wise":
+        load[buf.owners[buf.tables.index(t.name)]] += n
+      elif buf.kind == "row_wise":
+        load += n / S
+      elif buf.kind == "column_wise":
+        load += n
+      else:
+        load += n / S
+    return load
+
+  def describe(self) -> str:
+    """A text table: device | shards held | bytes | lookups/step | exchange bytes/step."""
+    S, R = self.num_shards, self.num_replicas
+    held = [[] for _ in range(S)]
+    for name, buf in self.buffers.items():
+      for i, t in enumerate(buf.tables):
+        rows = self.tables[t].rows
+        if buf.kind == "table_wise":
+          held[buf.owners[i]].append(f"{t}[tw]")
+        elif buf.kind == "row_wise":
+          for j in range(S):
+            lo = min(j * buf.local_rows, rows)
+            hi = min((j + 1) * buf.local_rows, rows)
+            held[j].append(f"{t}[rw {lo}:{hi}]")
+        elif buf.kind == "column_wise":
+          for j in range(S):
+            lo, hi = min(j * buf.local_dim, buf.dim), min((j + 1) * buf.local_dim, buf.dim)
+            held[j].append(f"{t}[cw cols {lo}:{hi}]")
+        else:
+          for j in range(S):
+            held[j].append(f"{t}[rep]")
+    per_buf = self.device_bytes()
+    dev_bytes = [0] * S
+    for name, buf in self.buffers.items():
+      for j in range(S):
+        if buf.kind != "table_wise":
+          dev_bytes[j] += per_buf[name]
+      if buf.kind == "table_wise":
+        # Only the filled part of each block is counted as used (the rest is padding).
+        isz = jnp.dtype(buf.dtype).itemsize
+        for i, t in enumerate(buf.tables):
+          rows = self.tables[t].rows
+          dev_bytes[buf.owners[i]] += rows * (buf.dim * isz
+                                              + self.optimizer.slot_bytes_per_row(buf.dim))
+    lookups = self.lookups_per_device()
+    exch = sum(self.exchange_bytes().values())
+    lines = [f"embedding plan: mesh replica={R} x shard={S}, global batch {self.batch_size}, "
+             f"optimizer {self.optimizer.kind}",
+             "tables: " + ", ".join(f"{t}({c.rows}x{c.dim} {self.sharding[t]})"
+                                    for t, c in self.tables.items()),
+             f"{'device':>8} | {'bytes':>14} | {'lookups/step':>12} | {'exchange B/step':>15} | shards held"]
+    for j in range(S):
+      for r in range(R):
+        dev = self.mesh.devices[r, j]
+        lines.append(f"{f'{r},{j}({dev.id})':>8} | {dev_bytes[j]:>14,d} | {int(lookups[j]):>12d} | "
+                     f"{exch:>15,d} | {' '.join(held[j])}")
+    return "\n".join(lines)
+
+
+# ---- planning --------------------------------------------------------------------------
+def _table_bytes(t: TableConfig, opt: SparseOptimizerConfig) -> int:
+  return t.rows * (t.dim * jnp.dtype(t.dtype).itemsize + opt.slot_bytes_per_row(t.dim))
+
+
+def _fits_error(t: TableConfig, kind: str, need: int, budget: int, used: int) -> ValueError:
+  return ValueError(
+      f"embedding table {t.name!r} ({t.rows} rows x {t.dim} dims, {need:,d} "
+      f"bytes per device as {kind}, weights + optimizer slots) does not fit the per-device "
+      f"memory budget of {budget:,d} bytes ({used:,d} already used on the fullest device)")
+
+
+def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureConfig],
+                    mesh: Mesh, batch_size: int,
+                    optimizer: SparseOptimizerConfig | None = None,
+                    memory_budget_bytes: int | None = None,
+                    replicate_max_bytes: int = REPLICATE_MAX_BYTES) -> EmbeddingPlan:
+  """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
+
+  'auto' tables become 'replicated' when tiny (<= replicate_max_bytes with slots),
+  'table_wise' when they fit one device's remaining budget, else 'row_wise'.
+  Table-wise tables are balanced over shards by cost = bytes share + lookups share.
+
+  Raises:
+    ValueError naming the table, its size and the budget when it does not fit;
+    ValueError for unknown tables, duplicate names or an indivisible batch.
+  """
+  opt = optimizer or SparseOptimizerConfig()
+  R, S = mesh.shape["replica"], mesh.shape["shard"]
+  tables = {t.name: t for t in tables}
+  features = {f.name: f for f in features}
+  if batch_size % (R * S):
+    raise ValueError(f"global batch {batch_size} is not divisible by the {R}x{S} mesh")
+  for f in features.values():
+    if f.table not in tables:
+      raise ValueError(f"feature {f.name!r} reads unknown table {f.table!r}; "
+                       f"known: {sorted(tables)}")
+  budget = memory_budget_bytes if memory_budget_bytes is not None else 1 << 62
+  lookups = {t: 0 for t in tables}
+  for f in features.values():
+    lookups[f.table] += batch_size * f.bag
+
+  # 1. Sharding types and per-device bytes of everything spread over all shards.
+  sharding, spread = {}, 0
+  for t in tables.values():
+    kind = t.sharding
+    if kind == "auto":
+      if S == 1 or _table_bytes(t, opt) <= replicate_max_bytes:
+        kind = "replicated" if S > 1 else "table_wise"
+      elif _table_bytes(t, opt) <= budget / 2:
+        kind = "table_wise"
+      else:
+        kind = "row_wise"
+    sharding[t.name] = kind
+  for t in tables.values():
+    kind = sharding[t.name]
+    isz = jnp.dtype(t.dtype).itemsize
+    if kind == "row_wise":
+      need = layout.rows_per_shard(t.rows, S) * (t.dim * isz + opt.slot_bytes_per_row(t.dim))
+    elif kind == "column_wise":
+      cps = layout.cols_per_shard(t.dim, S)
+      need = t.rows * (cps * isz + (4 if opt.kind == "rowwise_adagrad" else
+                                    opt.slot_bytes_per_row(cps)))
+    elif kind == "replicated":
+      need = _table_bytes(t, opt)
+    else:
+      continue
+    if spread + need > budget:
+      raise _fits_error(t, kind, need, budget, spread)
+    spread += need
+
+  # 2. Table-wise placement, balanced on bytes and lookups.
+  tw = [t for t in tables.values() if sharding[t.name] == "table_wise"]
+  tot_b = sum(_table_bytes(t, opt) for t in tw) or 1
+  tot_l = sum(lookups[t.name] for t in tw) or 1
+  costs = [_table_bytes(t, opt) / tot_b + lookups[t.name] / tot_l for t in tw]
+  owners = dict(zip((t.name for t in tw), layout.assign_table_wise(costs, S)))
+  used = [spread] * S
+  for t in sorted(tw, key=lambda t: -_table_bytes(t, opt)):
+    used[owners[t.name]] += _table_bytes(t, opt)
+    if used[owners[t.name]] > budget:
+      raise _fits_error(t, "table_wise", _table_bytes(t, opt), budget,
+                        used[owners[t.name]] - _table_bytes(t, opt))
+
+  # 3. Buffers.
+  buffers, buffer_of = {}, {}
+  groups: dict[tuple, list[TableConfig]] = {}
+  for t in tw:
+    groups.setdefault((t.dim, jnp.dtype(t.dtype).name), []).append(t)
+  for (dim, dtname), ts in groups.items():
+    name = f"tw_d{dim}_{dtname}"
+    own = [owners[t.name] for t in ts]
+    offsets, cap = layout.block_offsets(own, [t.rows for t in ts], S)
+    buffers[name] = Buffer(name, "table_wise", dim, dim, ts[0].dtype, tuple(t.name for t in ts),
+                           rows=S * cap, local_rows=cap, owners=tuple(own),
+                           offsets=tuple(offsets), num_shards=S)
+    for t in ts:
+      buffer_of[t.name] = name
+  for t in tables.values():
+    kind = sharding[t.name]
+    if kind == "row_wise":
+      rps = layout.rows_per_shard(t.rows, S)
+      buffers[t.name] = Buffer(t.name, kind, t.dim, t.dim, t.dtype, (t.name,), S * rps, rps,
+                               num_shards=S)
+    elif kind == "column_wise":
+      buffers[t.name] = Buffer(t.name, kind, t.dim, layout.cols_per_shard(t.dim, S), t.dtype,
+                               (t.name,), t.rows, t.rows, num_shards=S)
+    elif kind == "replicated":
+      buffers[t.name] = Buffer(t.name, kind, t.dim, t.dim, t.dtype, (t.name,), t.rows, t.rows,
+                               num_shards=S)
+    else:
+      continue
+    buffer_of[t.name] = t.name
+
+  # 4. Exchange units.
+  units = {}
+  tw_groups: dict[tuple[str, bool], list[FeatureConfig]] = {}
+  for f in features.values():
+    buf = buffers[buffer_of[f.table]]
+    pooled = f.pooling != "none"
+    if buf.kind == "table_wise":
+      tw_groups.setdefault((buf.name, pooled), []).append(f)
+    else:
+      name = f"{buf.kind}.{f.name}"
+      units[name] = Unit(name, buf.kind, buf.name, (f.name,), pooled, f.bag)
+  for (bname, pooled), fs in tw_groups.items():
+    buf = buffers[bname]
+    own = [buf.owners[buf.tables.index(f.table)] for f in fs]
+    slots, _ = layout.slot_table(own, S)
+    name = f"{bname}.{'pooled' if pooled else 'seq'}"
+    units[name] = Unit(name, "table_wise", bname, tuple(f.name for f in fs), pooled,
+                       max(f.bag for f in fs), tuple(tuple(s) for s in slots))
+  return EmbeddingPlan(mesh, tables, features, opt, batch_size, sharding, buffers, units,
+                       buffer_of)

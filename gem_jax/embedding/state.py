@@ -1,0 +1,130 @@
+"""Embedding state: creation in place, and the canonical (checkpoint) form.
+
+State: {buffer: {'weight': array, <slots>}} with the layouts of `plan.Buffer`,
+each leaf created directly in its sharding (jit out_shardings).
+
+Canonical form (`export_state`): {table: {'weight': (rows, dim), 'accumulator':
+(rows,) | 'm', 'v': (rows, dim), 'step': ()}}: unpadded global arrays, split by
+rows over 'shard' where the rows divide evenly (`layout.canonical_spec`), so a
+checkpoint of it restores onto any mesh through `import_state`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gem_jax.embedding.plan import EmbeddingPlan
+
+
+def _default_slots(plan: EmbeddingPlan, rows: int, dim: int) -> dict:
+  opt = plan.optimizer
+  out = {}
+  for s in opt.slot_names():
+    if s == "accumulator":
+      out[s] = jnp.full((rows,), opt.initial_accumulator, jnp.float32)
+    elif s == "step":
+      out[s] = jnp.zeros((), jnp.int32)
+    else:
+      out[s] = jnp.zeros((rows, dim), jnp.float32)
+  return out
+
+
+def _init_canonical(plan: EmbeddingPlan, key) -> dict:
+  """Fresh canonical state; table i uses fold_in(key, i), so it does not depend on the mesh."""
+  shard = plan.canonical_shardings()
+  out = {}
+  for i, (name, t) in enumerate(plan.tables.items()):
+    w = t.initializer(jax.random.fold_in(key, i), (t.rows, t.dim), t.dtype)
+    w = jax.lax.with_sharding_constraint(w.astype(t.dtype), shard[name]["weight"])
+    out[name] = {"weight": w, **_default_slots(plan, t.rows, t.dim)}
+  return out
+
+
+def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
+  """Canonical tables -> padded, packed buffers (a pure function, jitted by callers)."""
+  state = {}
+  for name, buf in plan.buffers.items():
+    leaves = ["weight", *plan.optimizer.slot_names()]
+    out = {}
+    for leaf in leaves:
+      if leaf == "step":
+        out[leaf] = canon[buf.tables[0]]["step"].astype(jnp.int32)
+        continue
+      per_row = leaf == "accumulator"
+      dtype = buf.dtype if leaf == "weight" else jnp.float32
+      if buf.kind == "table_wise":
+        shape = (buf.rows,) if per_row else (buf.rows, buf.dim)
+        x = jnp.zeros(shape, dtype)
+        for i, t in enumerate(buf.tables):
+          start = buf.owners[i] * buf.local_rows + buf.offsets[i]
+          x = jax.lax.dynamic_update_slice_in_dim(x, canon[t][leaf].astype(dtype), start, 0)
+      else:
+        x = canon[buf.tables[0]][leaf].astype(dtype)
+        if buf.kind == "row_wise":
+          pad = [(0, buf.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+          x = jnp.pad(x, pad)
+        elif buf.kind == "column_wise" and not per_row:
+          x = jnp.pad(x, ((0, 0), (0, buf.shape[1] - buf.dim)))
+      out[leaf] = x
+    state[name] = out
+  return state
+
+
+def _unlayout(plan: EmbeddingPlan, state: dict) -> dict:
+  """Buffers -> unpadded canonical tables (inverse of `_layout`)."""
+  canon = {}
+  for name, buf in plan.buffers.items():
+    for i, t in enumerate(buf.tables):
+      rows, out = plan.tables[t].rows, {}
+      for leaf, x in state[name].items():
+        if leaf == "step":
+          out[leaf] = x
+        elif buf.kind == "table_wise":
+          start = buf.owners[i] * buf.local_rows + buf.offsets[i]
+          out[leaf] = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
+        elif buf.kind == "column_wise" and x.ndim == 2:
+          out[leaf] = x[:, :buf.dim]
+        else:
+          out[leaf] = x[:rows]
+      canon[t] = out
+  return canon
+
+
+def init_embedding_state(plan: EmbeddingPlan, key) -> dict:
+  """Initial state, every leaf created in `plan.state_shardings()` (no full gather)."""
+  fn = jax.jit(lambda k: _layout(plan, _init_canonical(plan, k)),
+               out_shardings=plan.state_shardings())
+  return fn(key)
+
+
+def export_state(plan: EmbeddingPlan, state) -> dict:
+  """{table: {'weight': (rows, dim), <slot>: ...}}: unpadded, sharded global arrays."""
+  return jax.jit(lambda s: _unlayout(plan, s), out_shardings=plan.canonical_shardings())(state)
+
+
+def import_state(plan: EmbeddingPlan, canonical) -> dict:
+  """Canonical arrays (from any mesh, or numpy) -> this plan's state.
+
+  Slots missing from `canonical` (e.g. another optimizer's checkpoint) start fresh.
+  """
+  shard = plan.canonical_shardings()
+  full = {}
+  for name, t in plan.tables.items():
+    if name not in canonical:
+      raise KeyError(f"table {name!r} missing from the canonical state; got {sorted(canonical)}")
+    src = canonical[name]
+    want = (t.rows, t.dim)
+    if tuple(src["weight"].shape) != want:
+      raise ValueError(f"table {name!r}: canonical weight of shape {tuple(src['weight'].shape)},"
+                       f" the plan expects {want}")
+    leaves = {"weight": src["weight"]}
+    defaults = None
+    for s in plan.optimizer.slot_names():
+      if s in src:
+        leaves[s] = src[s]
+      else:
+        if defaults is None:
+          defaults = _default_slots(plan, t.rows, t.dim)
+        leaves[s] = defaults[s]
+    full[name] = {k: jax.device_put(v, shard[name][k]) for k, v in leaves.items()}
+  return jax.jit(lambda c: _layout(plan, c), out_shardings=plan.state_shardings())(full)

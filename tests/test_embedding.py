@@ -1,0 +1,278 @@
+"""Sharded lookups and sparse training steps against dense single-device references.
+
+Matrix: meshes 1x1 1x2 1x4 1x8 2x4 4x2 x sharding types (every plan holds all
+four) x id distributions (each a different batch through the same compiled
+function). References are plain numpy / single-device jnp written here.
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_mesh
+from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,
+                               apply_sparse_updates, export_state, gather_rows,
+                               import_state, init_embedding_state, lookup, plan_embeddings,
+                               pool_rows, prepare_ids)
+
+MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
+B = 16
+TABLES = [
+    TableConfig("tw_a", 37, 8, sharding="table_wise"),
+    TableConfig("tw_b", 50, 8, sharding="table_wise"),
+    TableConfig("tw_c", 23, 4, sharding="table_wise"),   # a second table-wise group
+    TableConfig("rw", 45, 8, sharding="row_wise"),
+    TableConfig("cw", 30, 6, sharding="column_wise"),   # 6 columns do not split evenly
+    TableConfig("rep", 20, 8, sharding="replicated"),
+]
+
+
+def _features():
+  out = []
+  for t in TABLES:
+    out += [FeatureConfig(f"{t.name}.sum", t.name, 3, "sum"),
+            FeatureConfig(f"{t.name}.mean", t.name, 2, "mean"),
+            FeatureConfig(f"{t.name}.seq", t.name, 4, "none")]
+  return out
+
+
+FEATURES = _features()
+WEIGHTED = ("tw_a.sum", "rw.sum", "cw.sum", "rep.sum", "tw_b.seq", "rw.seq")
+
+
+def _ids(dist, rng, rows, shape, num_shards):
+  """Host ids of one distribution, -1 = padding."""
+  if dist == "uniform":
+    return rng.integers(0, rows, shape)
+  if dist == "zipf":
+    return (rng.zipf(1.1, shape) - 1) % rows
+  if dist == "one_shard":   # all in the first row-wise block
+    return rng.integers(0, -(-rows // num_shards), shape)
+  if dist == "identical":
+    return np.full(shape, 7)
+  if dist == "empty":
+    return np.full(shape, -1)
+  if dist == "padded":      # ragged bags: a random number of valid ids, then -1
+    ids = rng.integers(0, rows, shape)
+    n = rng.integers(0, shape[1] + 1, shape[0])
+    return np.where(np.arange(shape[1])[None] < n[:, None], ids, -1)
+  raise ValueError(dist)
+
+
+def _batch(plan, dist, seed):
+  rng = np.random.default_rng(seed)
+  host = {f.name: _ids(dist, rng, plan.tables[f.table].rows, (B, f.bag), plan.num_shards)
+          for f in FEATURES}
+  ids = prepare_ids(plan, host)
+  wts = {f: rng.uniform(0.5, 1.5, (B, plan.features[f].bag)).astype(np.float32)
+         for f in WEIGHTED}
+  return ids, wts
+
+
+def _ref_lookup(tables, ids, wts):
+  """Unsharded reference: jnp.take + pooling on one device."""
+  out = {}
+  for f in FEATURES:
+    x = jnp.asarray(ids[f.name])
+    valid = x >= 0
+    e = jnp.take(tables[f.table], jnp.where(valid, x, 0), axis=0) * valid[..., None]
+    if f.name in wts:
+      e = e * jnp.asarray(wts[f.name])[..., None]
+    if f.pooling == "sum":
+      e = e.sum(1)
+    elif f.pooling == "mean":
+      e = e.sum(1) / jnp.maximum(valid.sum(1), 1)[:, None]
+    out[f.name] = e
+  return out
+
+
+@pytest.fixture(scope="module", params=MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def setup(request):
+  mesh = make_mesh(*request.param)
+  plan = plan_embeddings(TABLES, FEATURES, mesh, B, SparseOptimizerConfig())
+  state = init_embedding_state(plan, jax.random.key(0))
+  return plan, state
+
+
+DISTS = ["uniform", "zipf", "one_shard", "identical", "empty", "padded"]
+
+
+@pytest.fixture(scope="module")
+def canon_1x1():
+  ref = plan_embeddings(TABLES, FEATURES, make_mesh(1, 1), B)
+  return {t: np.asarray(c["weight"])
+          for t, c in export_state(ref, init_embedding_state(ref, jax.random.key(0))).items()}
+
+
+def test_lookup_matches_unsharded_reference(setup, canon_1x1):
+  plan, state = setup
+  # Every leaf is created in its planned sharding, with the same values on any mesh.
+  shardings = plan.state_shardings()
+  for b in state:
+    for k, x in state[b].items():
+      assert x.sharding == shardings[b][k], (b, k)
+  assert {plan.sharding[t.name] for t in TABLES} == {
+      "table_wise", "row_wise", "column_wise", "replicated"}
+  canon = export_state(plan, state)
+  tables = {t: np.asarray(c["weight"]) for t, c in canon.items()}
+  for t in tables:
+    np.testing.assert_array_equal(tables[t], canon_1x1[t], err_msg=t)
+  fn = jax.jit(lambda s, i, w: lookup(plan, s, i, w))
+  for seed, dist in enumerate(DISTS):
+    ids, wts = _batch(plan, dist, seed)
+    got = fn(state, jax.device_put(ids, plan.ids_shardings()), wts)
+    want = _ref_lookup(tables, ids, wts)
+    for f in FEATURES:
+      g = np.asarray(got[f.name])
+      assert g.shape == want[f.name].shape, (dist, f.name)
+      np.testing.assert_allclose(g, want[f.name], rtol=0, atol=1e-6, err_msg=f"{dist} {f.name}")
+      if dist == "empty":
+        assert not g.any(), f.name
+    assert np.abs(np.asarray(got["rw.sum"])).max() > 0 or dist == "empty"
+
+
+# ---- training ------------------------------------------------------------------------
+LOSS_SCALE = 0.05
+
+
+def _touched(ids):
+  out = {t.name: np.zeros(t.rows, bool) for t in TABLES}
+  for f in FEATURES:
+    x = np.asarray(ids[f.name])
+    out[f.table][x[x >= 0]] = True
+  return out
+
+
+@jax.jit(static_argnums=0)
+def _ref_step(opt, tables, slots, ids, wts, targets, touched, lr):
+  """Dense single-device reference: full gradients, optimizer on the touched rows."""
+  def loss(tabs):
+    emb = _ref_lookup(tabs, ids, wts)
+    return LOSS_SCALE * sum(jnp.sum((emb[f] - targets[f]) ** 2) for f in emb)
+  grads = jax.grad(loss)(tables)
+  new_t, new_s = {}, {}
+  for t, w in tables.items():
+    g = grads[t]
+    touched_t = touched[t]
+    tm = touched_t[:, None]
+    s = dict(slots[t])
+    if opt.kind == "sgd":
+      nw = w - lr * g
+    elif opt.kind == "rowwise_adagrad":
+      acc = s["accumulator"] + jnp.mean(g * g, axis=1)
+      s["accumulator"] = jnp.where(touched_t, acc, s["accumulator"])
+      nw = w - lr * g / (jnp.sqrt(acc)[:, None] + opt.eps)
+    else:
+      step = s["step"] + 1
+      m = opt.beta1 * s["m"] + (1 - opt.beta1) * g
+      v = opt.beta2 * s["v"] + (1 - opt.beta2) * g * g
+      mh, vh = m / (1 - opt.beta1 ** step), v / (1 - opt.beta2 ** step)
+      s["m"], s["v"], s["step"] = jnp.where(tm, m, s["m"]), jnp.where(tm, v, s["v"]), step
+      nw = w - lr * mh / (jnp.sqrt(vh) + opt.eps)
+    new_t[t] = jnp.where(tm, nw, w)
+    new_s[t] = s
+  return new_t, new_s
+
+
+def _train_batches(plan, n):
+  out = []
+  for k in range(n):
+    ids, wts = _batch(plan, ["uniform", "zipf", "padded", "identical", "one_shard"][k % 5], 100 + k)
+    rng = np.random.default_rng(200 + k)
+    targets = {f.name: rng.normal(size=(B, 4, plan.tables[f.table].dim)
+                                  if f.pooling == "none" else (B, plan.tables[f.table].dim))
+               .astype(np.float32) for f in FEATURES}
+    out.append((ids, wts, targets))
+  return out
+
+
+def _make_step(plan):
+  def loss_fn(dense, rows, ctx, wts, targets):
+    emb = pool_rows(plan, rows, ctx, wts)
+    return dense * LOSS_SCALE * sum(jnp.sum((emb[f] - targets[f]) ** 2) for f in emb)
+
+  def step(state, ids, wts, targets, lr):
+    rows, ctx = gather_rows(plan, state, ids)
+    loss, (_, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        jnp.float32(1.0), rows, ctx, wts, targets)
+    return apply_sparse_updates(plan, state, ctx, g_rows, lr=lr), loss
+  return jax.jit(step, donate_argnums=0)
+
+
+def _assert_replicas_identical(state):
+  for b, leaves in state.items():
+    for k, x in leaves.items():
+      seen = {}
+      for sh in x.addressable_shards:
+        key = str(sh.index)
+        data = np.asarray(sh.data)
+        if key in seen:
+          np.testing.assert_array_equal(data, seen[key], err_msg=f"{b}/{k} differs across replicas")
+        seen[key] = data
+
+
+OPT_CASES = [(m, "rowwise_adagrad") for m in MESHES] + [
+    pytest.param((2, 4), "sgd"), pytest.param((2, 4), "adam"),
+    pytest.param((4, 2), "adam"), pytest.param((1, 8), "sgd"),
+    pytest.param((1, 1), "sgd", marks=pytest.mark.slow),
+    pytest.param((1, 1), "adam", marks=pytest.mark.slow),
+    pytest.param((1, 4), "adam", marks=pytest.mark.slow),
+    pytest.param((4, 2), "sgd", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,kind", OPT_CASES)
+def test_five_steps_match_dense_optimizer(mesh_shape, kind):
+  opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6,
+                              initial_accumulator=0.1 if kind == "rowwise_adagrad" else 0.0)
+  plan = plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, opt)
+  state = init_embedding_state(plan, jax.random.key(1))
+  canon = export_state(plan, state)
+  tables = {t: jnp.asarray(c["weight"]) for t, c in canon.items()}
+  slots = {t: {k: jnp.asarray(v) for k, v in c.items() if k != "weight"} for t, c in canon.items()}
+  step = _make_step(plan)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # e.g. "Some donated buffers were not usable"
+    for k, (ids, wts, targets) in enumerate(_train_batches(plan, 5)):
+      lr = jnp.float32(opt.lr * (1 + 0.1 * k))    # a traced schedule
+      state, _ = step(state, jax.device_put(ids, plan.ids_shardings()), wts, targets, lr)
+      tables, slots = _ref_step(opt, tables, slots, ids, wts, targets, _touched(ids), lr)
+  _assert_replicas_identical(state)
+  got = export_state(plan, state)
+  moved = 0
+  for t in tables:
+    np.testing.assert_allclose(np.asarray(got[t]["weight"]), np.asarray(tables[t]),
+                               rtol=0, atol=1e-5, err_msg=t)
+    moved += np.abs(np.asarray(got[t]["weight"]) - np.asarray(canon[t]["weight"])).max() > 1e-3
+    for k, v in slots[t].items():
+      np.testing.assert_allclose(np.asarray(got[t][k]), np.asarray(v), rtol=0, atol=1e-5,
+                                 err_msg=f"{t}/{k}")
+  assert moved == len(tables)
+
+
+def test_export_import_across_meshes():
+  opt = SparseOptimizerConfig("adam", lr=0.01)
+  src = plan_embeddings(TABLES, FEATURES, make_mesh(2, 4), B, opt)
+  state = init_embedding_state(src, jax.random.key(2))
+  ids, wts, targets = _train_batches(src, 1)[0]
+  state, _ = _make_step(src)(state, jax.device_put(ids, src.ids_shardings()), wts, targets,
+                             jnp.float32(0.01))
+  canon = export_state(src, state)
+  assert canon["tw_a"]["weight"].shape == (37, 8)
+  assert canon["rw"]["weight"].shape == (45, 8)
+  assert canon["rw"]["weight"].sharding.spec == jax.sharding.PartitionSpec(None, "shard")
+  assert len({s.device for s in canon["tw_b"]["weight"].addressable_shards}) == 8
+  for shape in [(4, 2), (1, 8), (1, 1)]:
+    dst = plan_embeddings(TABLES, FEATURES, make_mesh(*shape), B, opt)
+    back = export_state(dst, import_state(dst, canon))
+    for t in canon:
+      for k in canon[t]:
+        np.testing.assert_array_equal(np.asarray(back[t][k]), np.asarray(canon[t][k]),
+                                      err_msg=f"{shape} {t}/{k}")
+  # Another optimizer's checkpoint: weights kept, missing slots start fresh.
+  dst = plan_embeddings(TABLES, FEATURES, make_mesh(1, 2), B, SparseOptimizerConfig())
+  back = export_state(dst, import_state(dst, {t: {"weight": c["weight"]} for t, c in canon.items()}))
+  np.testing.assert_array_equal(np.asarray(back["cw"]["weight"]), np.asarray(canon["cw"]["weight"]))
+  assert not np.asarray(back["cw"]["accumulator"]).any()
