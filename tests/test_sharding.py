@@ -41,11 +41,8 @@ def test_single_shard_mesh_replicates():
   assert shd.dense_param_spec((1024, 1024), ("embed", "mlp"), make_mesh(8, 1)) == P(None, None)
 
 
-def test_batch_and_canonical(mesh24):
+def test_batch_shardings(mesh24):
   assert shd.batch_sharding(mesh24).spec == P(("replica", "shard"))
-  assert shd.canonical_sharding((64, 8), mesh24).spec == P(("replica", "shard"), None)
-  assert shd.canonical_sharding((12, 8), mesh24).spec == P("shard", None)
-  assert shd.canonical_sharding((7, 8), mesh24).spec == P()
   batch = {"dense": np.zeros((8, 3)), "ids": {"a": np.zeros((8, 2))}}
   ids_sh = {"a": shd.replicated(mesh24)}
   out = shd.batch_shardings(batch, mesh24, ids_sh)

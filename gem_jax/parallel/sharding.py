@@ -134,21 +134,3 @@ def batch_shardings(batch, mesh: Mesh, ids_shardings: Mapping[str, NamedSharding
         out[key] = {f: ids_shardings.get(f, b) for f in batch[key]}
   return out
 
-
-def canonical_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
-  """Layout of a checkpointed (canonical, unpadded) table or slot array.
-
-  Rows split over every device when they divide evenly, else over 'shard',
-  else replicated (only small arrays: row counts of real tables are chosen
-  divisible). Orbax reads each device's slice, so no table is ever whole on
-  one device when saving or restoring.
-  """
-  if not shape:
-    return replicated(mesh)
-  rows = shape[0]
-  rest = (None,) * (len(shape) - 1)
-  if rows % mesh.size == 0:
-    return NamedSharding(mesh, P(RULES["batch"], *rest))
-  if rows % mesh.shape["shard"] == 0:
-    return NamedSharding(mesh, P("shard", *rest))
-  return replicated(mesh)
