@@ -1,0 +1,253 @@
+"""Analytic FLOPs per example (GEM.md §5) and parameter counts.
+
+Conventions: forward FLOPs per example; a matmul m x k x n costs 2 m k n;
+embedding gathers, norms, activations, softmax and other elementwise work
+count 0; training = 3 x forward (recomputation from remat is not counted).
+
+  MLP:            sum_j 2 h_j h_{j+1}
+  FM:             4 n d k                      (X^T Y, then X (X^T Y))
+  FMB:            FM + MLP(n k -> hidden... -> n_F d)
+  LCB:            2 n_L n d
+  residual:       2 n (n_F + n_L) d            (only when n != n_F + n_L)
+  self-attention: 8 L d^2 + 4 L L_k d          (L_k = L; block-local: b, L padded to b)
+  FFN:            4 e L d^2
+  cross-attn:     4 Q d^2 + 4 L d^2 + 4 Q L d
+  PMA (k seeds):  4 L d^2 + 4 k L d + 4 k d^2
+
+Command line:
+  python -m gem_jax.flops --preset wukong_108        # one JSON line
+  python -m gem_jax.flops --preset medium --model gem
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Mapping, Sequence
+
+import jax
+from flax import nnx
+
+from gem_jax.layers.mlp import mlp_flops
+
+
+def fm_flops(n: int, d: int, k: int) -> int:
+  return 4 * n * d * k
+
+
+def fmb_flops(n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int]) -> int:
+  return fm_flops(n, d, k) + mlp_flops(n * k, tuple(mlp_hidden) + (n_f * d,))
+
+
+def lcb_flops(n: int, d: int, n_l: int) -> int:
+  return 2 * n_l * n * d
+
+
+def wukong_layer_flops(n: int, d: int, n_f: int, n_l: int, k: int,
+                       mlp_hidden: Sequence[int]) -> int:
+  """FMB + LCB + residual projection (when n changes)."""
+  res = 2 * n * (n_f + n_l) * d if n != n_f + n_l else 0
+  return fmb_flops(n, d, k, n_f, mlp_hidden) + lcb_flops(n, d, n_l) + res
+
+
+def cross_layer_flops(num_layers: int, n: int, n_out: int, d: int) -> int:
+  """Cross-layer attention: X_0 projection (if n != n_out) + weighted sums 2 J n_out d."""
+  if num_layers < 2:
+    return 0
+  proj = 2 * n_out * n * d if n != n_out else 0
+  return proj + sum(2 * (l + 1) * n_out * d for l in range(1, num_layers))
+
+
+def wukong_stack_flops(n: int, d: int, num_layers: int, n_f: int, n_l: int, k: int,
+                       mlp_hidden: Sequence[int], cross_layer: bool = False) -> int:
+  n_out = n_f + n_l
+  total = sum(wukong_layer_flops(n if i == 0 else n_out, d, n_f, n_l, k, mlp_hidden)
+              for i in range(num_layers))
+  return total + (cross_layer_flops(num_layers, n, n_out, d) if cross_layer else 0)
+
+
+def attention_flops(L: int, d: int, *, mask: str = "full", block_size: int = 64) -> int:
+  """Self-attention: projections 8 L d^2 + scores/values 4 L L_k d."""
+  if mask == "block_local":
+    lp = -(-L // block_size) * block_size
+    return 8 * L * d * d + 4 * lp * block_size * d
+  return 8 * L * d * d + 4 * L * L * d
+
+
+def ffn_flops(L: int, d: int, ffn_mult: int) -> int:
+  return 4 * ffn_mult * L * d * d
+
+
+def sequence_block_flops(L: int, d: int, ffn_mult: int, *, mask: str = "full",
+                         block_size: int = 64) -> int:
+  return attention_flops(L, d, mask=mask, block_size=block_size) + ffn_flops(L, d, ffn_mult)
+
+
+def cross_attention_flops(q: int, L: int, d: int) -> int:
+  """Q queries onto L keys: q/out projections 4 Q d^2, k/v 4 L d^2, scores/values 4 Q L d."""
+  return 4 * q * d * d + 4 * L * d * d + 4 * q * L * d
+
+
+def pma_flops(L: int, k: int, d: int) -> int:
+  """PMA onto k learned seeds = cross attention with k queries."""
+  return cross_attention_flops(k, L, d)
+
+
+def heads_flops(in_features: int, num_tasks: int, num_domains: int, kind: str,
+                hidden: Sequence[int], num_experts: int, expert_hidden: Sequence[int]) -> int:
+  """All domain towers are computed (then one is selected), so D x tower FLOPs."""
+  if kind == "towers":
+    return num_domains * mlp_flops(in_features, tuple(hidden) + (num_tasks,))
+  experts = num_experts * mlp_flops(in_features, tuple(expert_hidden))
+  gates = 2 * in_features * num_domains * num_tasks * num_experts
+  mix = 2 * num_tasks * num_experts * expert_hidden[-1]
+  towers = num_tasks * mlp_flops(expert_hidden[-1], tuple(hidden) + (1,))
+  return experts + gates + mix + towers
+
+
+def train_flops(forward: float) -> float:
+  """Training FLOPs = 3 x forward (backward = 2 x forward)."""
+  return 3 * forward
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of scalar parameters (nnx.Param leaves) of a module or an abstract one."""
+  state = nnx.state(model, nnx.Param)
+  return int(sum(math.prod(v.shape) for v in jax.tree.leaves(state)))
+
+
+def interformer_flops(n: int, L: int, d: int, *, num_x_summary: int = 4, num_cls: int = 4,
+                      num_pma: int = 2, num_recent: int = 2, mask: str = "full",
+                      block_size: int = 64, gating_hidden: int | None = None) -> int:
+  """One InterFormerBlock without its interaction module (gem_jax.layers.interformer).
+
+  X_sum: token mix 2 m n d + MLP 4 m d^2 + gating 4 m d h; PFFN 4 m d^2 + 4 L m d;
+  self-attention over c + L tokens; PMA(L -> p); S_sum gating 4 (c + p + r) d h.
+  """
+  m, h = num_x_summary, gating_hidden or d
+  n_s = num_cls + num_pma + num_recent
+  return (2 * m * n * d + 4 * m * d * d + 4 * m * d * h
+          + 4 * m * d * d + 4 * L * m * d
+          + attention_flops(num_cls + L, d, mask=mask, block_size=block_size)
+          + (pma_flops(L, num_pma, d) if num_pma else 0)
+          + 4 * n_s * d * h)
+
+
+def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
+  """Forward FLOPs per example of `gem_jax.models.gem.GEM`, per block and in total.
+
+  Sequences are counted at their padded (max_len / pyramid) lengths, which is
+  what the device computes; for useful FLOPs of jagged data pass a spec whose
+  max_len is the mean length.
+  """
+  from gem_jax.models.gem import front_tokens, pyramid_lengths  # pylint: disable=import-outside-toplevel
+  d, n = cfg.d_model, cfg.n_interaction
+  n0 = front_tokens(cfg, spec)
+  n_s = cfg.num_cls + cfg.num_pma + cfg.num_recent
+  out = {}
+  out["dense_tokenizer"] = mlp_flops(spec.n_dense, tuple(cfg.dense_hidden) +
+                                     (cfg.n_dense_tokens * d,))
+  out["sparse_projector"] = sum(2 * feature_dims[f.name] * d for f in spec.pooled_features
+                                if feature_dims[f.name] != d)
+  out["sequence_embedder"] = sum(2 * s.max_len * d * sum(feature_dims[f] for f in s.item_features)
+                                 for s in spec.sequences)
+  out["token_mix"] = 2 * n * n0 * d
+  lengths = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences]
+  seq_len = [sum(ls[l] for ls in lengths) if lengths else 1 for l in range(cfg.num_blocks)]
+  for l in range(cfg.num_blocks):
+    out[f"block{l}/interformer"] = interformer_flops(
+        n, seq_len[l], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
+        num_pma=cfg.num_pma, num_recent=cfg.num_recent, mask=cfg.attn_mask,
+        block_size=cfg.block_size)
+    out[f"block{l}/wukong"] = wukong_layer_flops(n + n_s, d, cfg.wukong_nf, cfg.wukong_nl,
+                                                 cfg.wukong_k, cfg.wukong_mlp)
+  if cfg.cross_layer and cfg.num_blocks > 1:
+    out["cross_layer"] = cross_layer_flops(cfg.num_blocks, n, n, d)
+  out["target_attention"] = 2 * cfg.num_queries * n * d + cross_attention_flops(
+      cfg.num_queries, seq_len[-1], d)
+  trunk_in = (n + cfg.num_x_summary + n_s + cfg.num_queries) * d
+  out["trunk"] = mlp_flops(trunk_in, cfg.trunk_hidden)
+  out["heads"] = heads_flops(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
+                             cfg.head_kind, cfg.head_hidden, cfg.num_experts, cfg.expert_hidden)
+  out["total"] = sum(out.values())
+  return out
+
+
+def dlrm_flops(cfg, spec, feature_dims: Mapping[str, int], interaction: str = "dot") -> dict:
+  """Forward FLOPs per example of `gem_jax.models.dlrm.DLRM` / `DCNv2`.
+
+  dot: the full (T+1) x (T+1) Gram matrix is computed, 2 (T+1)^2 D.
+  dcn: per cross layer 4 N r (V then W), N = (T+1) D.
+  """
+  d = cfg.d_model
+  names = [f.name for f in spec.pooled_features] + [f for s in spec.sequences
+                                                    for f in s.item_features]
+  t = len(names)
+  out = {"bottom_mlp": mlp_flops(spec.n_dense, tuple(cfg.bottom_mlp) + (d,)),
+         "sparse_projector": sum(2 * feature_dims[f] * d for f in names if feature_dims[f] != d)}
+  if interaction == "dot":
+    out["interaction"] = 2 * (t + 1) ** 2 * d
+    width = d + t * (t + 1) // 2
+  else:
+    width = (t + 1) * d
+    out["interaction"] = cfg.dcn_layers * 4 * width * cfg.dcn_rank
+  out["top_mlp"] = mlp_flops(width, tuple(cfg.top_mlp) + (len(spec.tasks),))
+  out["total"] = sum(out.values())
+  return out
+
+
+def wukong_preset_flops(cfg, n_inputs: int = 384) -> dict:
+  """The plain Wukong stack of a preset on n_inputs embeddings (wukong_108: 384)."""
+  fwd = wukong_stack_flops(n_inputs, cfg.d_model, cfg.num_blocks, cfg.wukong_nf, cfg.wukong_nl,
+                           cfg.wukong_k, cfg.wukong_mlp, cfg.cross_layer)
+  return {"wukong_stack": fwd, "total": fwd}
+
+
+def abstract_params(model_cls, cfg, spec, feature_dims) -> int:
+  """Parameter count without allocating (nnx.eval_shape)."""
+  model = nnx.eval_shape(lambda: model_cls(cfg, spec, feature_dims, rngs=nnx.Rngs(0)))
+  return count_params(model)
+
+
+def main(argv=None) -> dict:
+  from gem_jax.models.config import get_config, reference_spec  # pylint: disable=import-outside-toplevel
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="wukong_108")
+  p.add_argument("--model", default=None, choices=["wukong", "gem", "dlrm", "dcnv2"],
+                 help="default: wukong for wukong_108, dlrm/dcnv2 for their presets, else gem")
+  p.add_argument("--no-params", action="store_true", help="skip the parameter count")
+  args = p.parse_args(argv)
+  cfg = get_config(args.preset)
+  model = args.model or {"wukong_108": "wukong", "dlrm_torchrec": "dlrm",
+                         "dcnv2_mlperf": "dcnv2"}.get(args.preset, "gem")
+  spec = reference_spec()
+  fd = {f.name: cfg.d_model for f in spec.sparse}
+  if model == "wukong":
+    blocks, params = wukong_preset_flops(cfg), None
+    if not args.no_params:
+      from gem_jax.layers.wukong import WukongStack  # pylint: disable=import-outside-toplevel
+      params = count_params(nnx.eval_shape(lambda: WukongStack(
+          384, cfg.d_model, num_layers=cfg.num_blocks, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
+          k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp, cross_layer=cfg.cross_layer,
+          rngs=nnx.Rngs(0))))
+  else:
+    from gem_jax.models.dlrm import DCNv2, DLRM  # pylint: disable=import-outside-toplevel
+    from gem_jax.models.gem import GEM  # pylint: disable=import-outside-toplevel
+    if model == "gem":
+      blocks, cls = gem_flops(cfg, spec, fd), GEM
+    else:
+      blocks = dlrm_flops(cfg, spec, fd, "dot" if model == "dlrm" else "dcn")
+      cls = DLRM if model == "dlrm" else DCNv2
+    params = None if args.no_params else abstract_params(cls, cfg, spec, fd)
+  fwd = blocks["total"]
+  out = {"preset": args.preset, "model": model,
+         "forward_gflops_per_example": fwd / 1e9,
+         "train_gflops_per_example": train_flops(fwd) / 1e9,
+         "dense_params": params,
+         "blocks_gflops": {k: v / 1e9 for k, v in blocks.items() if k != "total"}}
+  print(json.dumps(out))
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,186 @@
+"""GEM: front end -> interleaved InterFormer blocks (Wukong interaction, pyramid sequences)
+-> target-aware cross attention -> trunk -> multi-domain multi-task heads.
+
+Data flow (B batch, d = cfg.d_model, n = n_F + n_L, c/p/r = CLS/PMA/recent summary
+tokens, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagram):
+
+  dense (B, n_dense)        -> DenseTokenizer                    -> (B, n_dt, d)
+  sparse {f: (B, D_f)}      -> SparseProjector                   -> (B, n_sp, d)
+  domain (B,)               -> E_dom[domain]                     -> (B, 1, d)
+  X0 = W_in [dense; sparse; domain tokens]  (token mix n0 -> n)  -> (B, n, d)
+  stream i: items/action/surface/dt/mask -> SequenceEmbedder + E_stream[i] -> (B, L_i, d)
+  S = concat_i(stream_i) along events, valid = concat_i(mask_i)  -> (B, sum L_i, d)
+  for block l = 0..N-1:
+    S, valid, dt <- per-stream keep the ceil(pyramid[l] L_i) newest events  (pyramid)
+    X_in = X (l = 0) or CrossLayerAttention(X_0..X_l)                      (optional)
+    X, S, X_sum, S_sum = InterFormerBlock_l(X_in, S, valid, dt)
+      interaction = WukongLayer(n + c + p + r -> n)
+  T  = CrossAttention(W_q X (B, Q, d) -> S)                     target-aware  (B, Q, d)
+  seq_summary = flatten([S_sum; T])                              (B, (c + p + r + Q) d)
+  trunk = MLP(flatten([X; X_sum; S_sum; T]))                     (B, H)
+  logits = MultiTaskHeads(trunk, domain)                         (B, n_tasks) fp32
+
+Streams share one sequence tensor (each keeps its own pyramid lengths and a learned
+stream embedding), so one InterFormer sequence arch models all streams jointly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.data.spec import DataSpec
+from gem_jax.layers.attention import CrossAttention
+from gem_jax.layers.dense import param
+from gem_jax.layers.features import DenseTokenizer, SequenceEmbedder, SparseProjector
+from gem_jax.layers.heads import MultiTaskHeads
+from gem_jax.layers.interformer import InterFormerBlock
+from gem_jax.layers.mlp import MLP
+from gem_jax.layers.wukong import CrossLayerAttention, WukongLayer
+from gem_jax.models.config import GEMConfig
+
+
+def pyramid_lengths(cfg: GEMConfig, max_len: int) -> tuple[int, ...]:
+  """Events kept per block for a stream of max_len: ceil(pyramid[l] * max_len), non-increasing.
+
+  cfg.pyramid is extended with its last entry when it is shorter than num_blocks.
+  """
+  fr = tuple(cfg.pyramid) + (cfg.pyramid[-1],) * max(0, cfg.num_blocks - len(cfg.pyramid))
+  out, prev = [], max_len
+  for f in fr[:cfg.num_blocks]:
+    prev = max(1, min(prev, math.ceil(f * max_len)))
+    out.append(prev)
+  return tuple(out)
+
+
+def front_tokens(cfg: GEMConfig, spec: DataSpec) -> int:
+  """n0: dense tokens + pooled sparse features + 1 domain token."""
+  return cfg.n_dense_tokens + len(spec.pooled_features) + 1
+
+
+class GEM(nnx.Module):
+  """The GEM model (module docstring). Built from (cfg, spec, feature_dims) only.
+
+  Call: (inputs, return_aux=False) -> logits (B, n_tasks) fp32, or (logits, aux) with
+  aux = {'trunk' (B, H), 'seq_summary' (B, (c+p+r+Q) d), 'x' (B, n, d)}.
+  """
+
+  def __init__(self, cfg: GEMConfig, spec: DataSpec, feature_dims: Mapping[str, int], *,
+               rngs: nnx.Rngs):
+    d, prec = cfg.d_model, cfg.precision()
+    self.cfg, self.dtype = cfg, cfg.compute_dtype
+    self.pooled = tuple(f.name for f in spec.pooled_features)
+    self.streams = tuple(s.name for s in spec.sequences)
+    self.lengths = tuple(pyramid_lengths(cfg, s.max_len) for s in spec.sequences)
+    n0, n = front_tokens(cfg, spec), cfg.n_interaction
+    self.n_tokens = n
+    self.n_summary = cfg.num_cls + cfg.num_pma + cfg.num_recent
+    emb = nnx.initializers.normal(1.0 / math.sqrt(d))
+    # Front end.
+    self.dense_tok = DenseTokenizer(spec.n_dense, cfg.n_dense_tokens, d, cfg.dense_hidden,
+                                    rngs=rngs, fp8=cfg.fp8, **prec)
+    self.sparse_proj = SparseProjector({f: feature_dims[f] for f in self.pooled}, d,
+                                       rngs=rngs, **prec)
+    self.domain_emb = param(rngs, emb, (max(spec.num_domains, 1), d), cfg.params_dtype,
+                            (None, "embed"))
+    self.token_mix = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n0)), (n, n0),
+                           cfg.params_dtype, (None, "tokens"))
+    self.seq_emb = nnx.List([
+        SequenceEmbedder({f: feature_dims[f] for f in s.item_features}, d,
+                         num_actions=s.num_actions, num_surfaces=s.num_surfaces,
+                         time_buckets=cfg.time_buckets, rngs=rngs, **prec)
+        for s in spec.sequences])
+    self.stream_emb = param(rngs, emb, (max(len(self.streams), 1), d), cfg.params_dtype,
+                            (None, "embed"))
+    # Interleaved blocks.
+    blocks = []
+    for _ in range(cfg.num_blocks):
+      wukong = WukongLayer(n + self.n_summary, d, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
+                           k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp, rngs=rngs, fp8=cfg.fp8,
+                           remat=cfg.remat, **prec)
+      blocks.append(InterFormerBlock(
+          d, n, cfg.num_heads, interaction=wukong, rngs=rngs, num_cls=cfg.num_cls,
+          num_pma=cfg.num_pma, num_recent=cfg.num_recent, num_x_summary=cfg.num_x_summary,
+          score=cfg.attn_score, mask=cfg.attn_mask, block_size=cfg.block_size, rope=cfg.rope,
+          time_buckets=cfg.time_buckets, fp8=cfg.fp8, remat=cfg.remat, **prec))
+    self.blocks = nnx.List(blocks)
+    self.cross_layer = (CrossLayerAttention(cfg.num_blocks - 1, d, rngs=rngs, **prec)
+                        if cfg.cross_layer and cfg.num_blocks > 1 else None)
+    # Target-aware cross attention, trunk and heads.
+    self.query_mix = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n)),
+                           (cfg.num_queries, n), cfg.params_dtype, (None, "tokens"))
+    self.target_attn = CrossAttention(d, cfg.num_heads, score=cfg.attn_score, rngs=rngs,
+                                      fp8=cfg.fp8, **prec)
+    trunk_in = (n + cfg.num_x_summary + self.n_summary + cfg.num_queries) * d
+    self.trunk = MLP(trunk_in, cfg.trunk_hidden, rngs=rngs, final_activation="relu",
+                     fp8=cfg.fp8, in_axis="mlp", out_axis="mlp", **prec)
+    self.heads = MultiTaskHeads(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
+                                kind=cfg.head_kind, hidden=cfg.head_hidden,
+                                num_experts=cfg.num_experts, expert_hidden=cfg.expert_hidden,
+                                rngs=rngs, **prec)
+
+  def tokens(self, inputs: Mapping[str, Any]) -> jax.Array:
+    """X0 = W_in [dense tokens; sparse tokens; domain token]  -> (B, n, d)."""
+    dense = self.dense_tok(inputs["dense"])  # (B, n_dt, d)
+    parts = [dense]
+    if self.pooled:
+      parts.append(self.sparse_proj(inputs["sparse"]))  # (B, n_sp, d)
+    dom = jnp.clip(inputs["domain"].astype(jnp.int32), 0, self.domain_emb[...].shape[0] - 1)
+    parts.append(jnp.take(self.domain_emb[...], dom, axis=0)[:, None, :].astype(self.dtype))
+    x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)  # (B, n0, d)
+    return jnp.einsum("on,bnd->bod", self.token_mix[...].astype(self.dtype), x,
+                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n, d)
+
+  def sequences(self, inputs: Mapping[str, Any], batch: int):
+    """Per stream (x (B, L_i, d), valid (B, L_i), dt (B, L_i)), stream embedding added."""
+    out = []
+    for i, (name, embed) in enumerate(zip(self.streams, self.seq_emb)):
+      s = inputs["seq"][name]
+      x, valid, dt = embed(s["items"], s["action"], s["surface"], s["dt"], s["mask"])
+      x = x + self.stream_emb[...][i].astype(self.dtype)
+      x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))  # (B, L_i, d)
+      out.append((x, valid, dt))
+    if not out:  # no event streams: one invalid event
+      d = self.cfg.d_model
+      out.append((jnp.zeros((batch, 1, d), self.dtype), jnp.zeros((batch, 1), bool),
+                  jnp.zeros((batch, 1), jnp.float32)))
+    return out
+
+  def _block_sequence(self, streams, l: int):
+    """Keep each stream's newest pyramid-length events for block l; concat along events."""
+    parts = []
+    for i, (x, valid, dt) in enumerate(streams):
+      keep = self.lengths[i][l] if self.lengths else 1
+      parts.append((x[:, :keep], valid[:, :keep], dt[:, :keep]))
+    return parts
+
+  def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
+    b = inputs["dense"].shape[0]
+    x = self.tokens(inputs)  # (B, n, d)
+    streams = self.sequences(inputs, b)
+    history = [x]
+    x_sum = s_sum = None
+    for l, block in enumerate(self.blocks):
+      parts = self._block_sequence(streams, l)
+      sizes = [p[0].shape[1] for p in parts]
+      s = jnp.concatenate([p[0] for p in parts], axis=1)  # (B, sum L_i^l, d)
+      valid = jnp.concatenate([p[1] for p in parts], axis=1)  # (B, sum L_i^l)
+      dt = jnp.concatenate([p[2] for p in parts], axis=1)
+      x_in = x if (l == 0 or self.cross_layer is None) else self.cross_layer(history, l)
+      x, s, x_sum, s_sum = block(x_in, s, valid, dt)  # (B, n, d), (B, sum L, d), ...
+      history.append(x)
+      offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+      streams = [(s[:, o:o + k], p[1], p[2]) for o, k, p in zip(offsets, sizes, parts)]
+    q = jnp.einsum("qn,bnd->bqd", self.query_mix[...].astype(self.dtype), x,
+                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, Q, d)
+    target = self.target_attn(q, s, valid)  # (B, Q, d)
+    seq_summary = jnp.concatenate([s_sum, target.astype(self.dtype)], axis=1)  # (B, c+p+r+Q, d)
+    feats = jnp.concatenate([x, x_sum, seq_summary], axis=1)  # (B, n + m + c+p+r+Q, d)
+    trunk = self.trunk(feats.reshape(b, -1))  # (B, H)
+    logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
+    if return_aux:
+      return logits, {"trunk": trunk, "seq_summary": seq_summary.reshape(b, -1), "x": x}
+    return logits
