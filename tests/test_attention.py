@@ -51,12 +51,11 @@ def ref_core(q, k, v, allowed, bias, score, norm):
   s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]) + bias
   a = allowed[:, None]
   if score == "softmax":
-    p = np.zeros_like(s)
-    for idx in np.ndindex(*s.shape[:3]):
-      row, ok = s[idx], a[idx[0], 0, idx[2]]
-      if ok.any():
-        e = np.exp(row[ok] - row[ok].max())
-        p[idx][ok] = e / e.sum()
+    a = np.broadcast_to(a, s.shape)
+    m = np.max(np.where(a, s, -np.inf), axis=-1, keepdims=True)
+    e = np.where(a, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    tot = e.sum(-1, keepdims=True)
+    p = e / np.where(tot > 0, tot, 1.0)
   else:
     p = np.where(a, s / (1.0 + np.exp(-s)), 0.0) / norm
   return np.einsum("bhqk,bkhd->bqhd", p, v)
