@@ -39,6 +39,11 @@ def _features():
 
 
 FEATURES = _features()
+# Training uses a subset (faster compiles) that still has two features on one table
+# per sharding type, pooled and sequence units, and every pooling.
+TRAIN_FEATURES = ("tw_a.sum", "tw_a.seq", "tw_b.mean", "tw_c.sum", "rw.sum", "rw.seq",
+                  "cw.sum", "cw.mean", "rep.sum", "rep.seq")
+TRAIN_FEATS = [f for f in FEATURES if f.name in TRAIN_FEATURES]
 WEIGHTED = ("tw_a.sum", "rw.sum", "cw.sum", "rep.sum", "tw_b.seq", "rw.seq")
 
 
@@ -64,17 +69,17 @@ def _ids(dist, rng, rows, shape, num_shards):
 def _batch(plan, dist, seed):
   rng = np.random.default_rng(seed)
   host = {f.name: _ids(dist, rng, plan.tables[f.table].rows, (B, f.bag), plan.num_shards)
-          for f in FEATURES}
+          for f in plan.features.values()}
   ids = prepare_ids(plan, host)
   wts = {f: rng.uniform(0.5, 1.5, (B, plan.features[f].bag)).astype(np.float32)
-         for f in WEIGHTED}
+         for f in WEIGHTED if f in plan.features}
   return ids, wts
 
 
 def _ref_lookup(tables, ids, wts):
   """Unsharded reference: jnp.take + pooling on one device."""
   out = {}
-  for f in FEATURES:
+  for f in (f for f in FEATURES if f.name in ids):
     x = jnp.asarray(ids[f.name])
     valid = x >= 0
     e = jnp.take(tables[f.table], jnp.where(valid, x, 0), axis=0) * valid[..., None]
@@ -134,12 +139,12 @@ def test_lookup_matches_unsharded_reference(setup, canon_1x1):
 
 
 # ---- training ------------------------------------------------------------------------
-LOSS_SCALE = 0.05
+LOSS_SCALE = 0.01   # keeps accumulators O(1), so 1e-5 is a tight (not ulp-level) bound
 
 
 def _touched(ids):
   out = {t.name: np.zeros(t.rows, bool) for t in TABLES}
-  for f in FEATURES:
+  for f in (f for f in FEATURES if f.name in ids):
     x = np.asarray(ids[f.name])
     out[f.table][x[x >= 0]] = True
   return out
@@ -183,8 +188,24 @@ def _train_batches(plan, n):
     rng = np.random.default_rng(200 + k)
     targets = {f.name: rng.normal(size=(B, 4, plan.tables[f.table].dim)
                                   if f.pooling == "none" else (B, plan.tables[f.table].dim))
-               .astype(np.float32) for f in FEATURES}
+               .astype(np.float32) for f in plan.features.values()}
     out.append((ids, wts, targets))
+  return out
+
+
+def _random_canonical(opt, seed):
+  """Canonical tables and slots drawn on the host (cheaper to compile than init)."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for t in TABLES:
+    c = {"weight": rng.uniform(-0.5, 0.5, (t.rows, t.dim)).astype(np.float32)}
+    if opt.kind == "rowwise_adagrad":
+      c["accumulator"] = rng.uniform(0.05, 0.2, t.rows).astype(np.float32)
+    elif opt.kind == "adam":
+      c["m"] = rng.normal(0, 0.01, (t.rows, t.dim)).astype(np.float32)
+      c["v"] = rng.uniform(0, 1e-3, (t.rows, t.dim)).astype(np.float32)
+      c["step"] = np.int32(3)
+    out[t.name] = c
   return out
 
 
@@ -214,8 +235,9 @@ def _assert_replicas_identical(state):
 
 
 OPT_CASES = [(m, "rowwise_adagrad") for m in MESHES] + [
-    pytest.param((2, 4), "sgd"), pytest.param((2, 4), "adam"),
-    pytest.param((4, 2), "adam"), pytest.param((1, 8), "sgd"),
+    pytest.param((2, 4), "sgd"), pytest.param((4, 2), "adam"),
+    pytest.param((2, 4), "adam", marks=pytest.mark.slow),
+    pytest.param((1, 8), "sgd", marks=pytest.mark.slow),
     pytest.param((1, 1), "sgd", marks=pytest.mark.slow),
     pytest.param((1, 1), "adam", marks=pytest.mark.slow),
     pytest.param((1, 4), "adam", marks=pytest.mark.slow),
@@ -225,11 +247,10 @@ OPT_CASES = [(m, "rowwise_adagrad") for m in MESHES] + [
 
 @pytest.mark.parametrize("mesh_shape,kind", OPT_CASES)
 def test_five_steps_match_dense_optimizer(mesh_shape, kind):
-  opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6,
-                              initial_accumulator=0.1 if kind == "rowwise_adagrad" else 0.0)
-  plan = plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, opt)
-  state = init_embedding_state(plan, jax.random.key(1))
-  canon = export_state(plan, state)
+  opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6)
+  plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*mesh_shape), B, opt)
+  canon = _random_canonical(opt, seed=1)
+  state = import_state(plan, canon)     # non-trivial slots, too
   tables = {t: jnp.asarray(c["weight"]) for t, c in canon.items()}
   slots = {t: {k: jnp.asarray(v) for k, v in c.items() if k != "weight"} for t, c in canon.items()}
   step = _make_step(plan)
@@ -254,8 +275,8 @@ def test_five_steps_match_dense_optimizer(mesh_shape, kind):
 
 def test_export_import_across_meshes():
   opt = SparseOptimizerConfig("adam", lr=0.01)
-  src = plan_embeddings(TABLES, FEATURES, make_mesh(2, 4), B, opt)
-  state = init_embedding_state(src, jax.random.key(2))
+  src = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(2, 4), B, opt)
+  state = import_state(src, _random_canonical(opt, seed=2))
   ids, wts, targets = _train_batches(src, 1)[0]
   state, _ = _make_step(src)(state, jax.device_put(ids, src.ids_shardings()), wts, targets,
                              jnp.float32(0.01))
@@ -264,15 +285,15 @@ def test_export_import_across_meshes():
   assert canon["rw"]["weight"].shape == (45, 8)
   assert canon["rw"]["weight"].sharding.spec == jax.sharding.PartitionSpec(None, "shard")
   assert len({s.device for s in canon["tw_b"]["weight"].addressable_shards}) == 8
-  for shape in [(4, 2), (1, 8), (1, 1)]:
-    dst = plan_embeddings(TABLES, FEATURES, make_mesh(*shape), B, opt)
+  for shape in [(4, 2), (1, 1)]:
+    dst = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*shape), B, opt)
     back = export_state(dst, import_state(dst, canon))
     for t in canon:
       for k in canon[t]:
         np.testing.assert_array_equal(np.asarray(back[t][k]), np.asarray(canon[t][k]),
                                       err_msg=f"{shape} {t}/{k}")
   # Another optimizer's checkpoint: weights kept, missing slots start fresh.
-  dst = plan_embeddings(TABLES, FEATURES, make_mesh(1, 2), B, SparseOptimizerConfig())
+  dst = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(1, 2), B, SparseOptimizerConfig())
   back = export_state(dst, import_state(dst, {t: {"weight": c["weight"]} for t, c in canon.items()}))
   np.testing.assert_array_equal(np.asarray(back["cw"]["weight"]), np.asarray(canon["cw"]["weight"]))
   assert not np.asarray(back["cw"]["accumulator"]).any()

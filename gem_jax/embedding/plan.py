@@ -85,6 +85,13 @@ class EmbeddingPlan:
   buffers: dict[str, Buffer]
   units: dict[str, Unit]
   buffer_of: dict[str, str]       # table -> buffer name
+  _jit_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  def cached_jit(self, key: str, build):
+    """A jitted function built once per plan (init/export/import reuse their compilation)."""
+    if key not in self._jit_cache:
+      self._jit_cache[key] = build()
+    return self._jit_cache[key]
 
   @property
   def num_replicas(self) -> int:

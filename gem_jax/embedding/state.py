@@ -92,14 +92,16 @@ def _unlayout(plan: EmbeddingPlan, state: dict) -> dict:
 
 def init_embedding_state(plan: EmbeddingPlan, key) -> dict:
   """Initial state, every leaf created in `plan.state_shardings()` (no full gather)."""
-  fn = jax.jit(lambda k: _layout(plan, _init_canonical(plan, k)),
-               out_shardings=plan.state_shardings())
+  fn = plan.cached_jit("init", lambda: jax.jit(
+      lambda k: _layout(plan, _init_canonical(plan, k)), out_shardings=plan.state_shardings()))
   return fn(key)
 
 
 def export_state(plan: EmbeddingPlan, state) -> dict:
   """{table: {'weight': (rows, dim), <slot>: ...}}: unpadded, sharded global arrays."""
-  return jax.jit(lambda s: _unlayout(plan, s), out_shardings=plan.canonical_shardings())(state)
+  fn = plan.cached_jit("export", lambda: jax.jit(
+      lambda s: _unlayout(plan, s), out_shardings=plan.canonical_shardings()))
+  return fn(state)
 
 
 def import_state(plan: EmbeddingPlan, canonical) -> dict:
@@ -127,4 +129,6 @@ def import_state(plan: EmbeddingPlan, canonical) -> dict:
           defaults = _default_slots(plan, t.rows, t.dim)
         leaves[s] = defaults[s]
     full[name] = {k: jax.device_put(v, shard[name][k]) for k, v in leaves.items()}
-  return jax.jit(lambda c: _layout(plan, c), out_shardings=plan.state_shardings())(full)
+  fn = plan.cached_jit("import", lambda: jax.jit(
+      lambda c: _layout(plan, c), out_shardings=plan.state_shardings()))
+  return fn(full)

@@ -1,0 +1,123 @@
+"""Embedding lookup + sparse update step time against table size.
+
+  python scripts/bench_embedding.py --rows 100000 1000000 10000000 --json
+
+Each size: 8 tables sharing `rows` rows, dim 64, global batch 4096, 4 ids per
+bag (sum pooling), Zipf(1.1) raw ids hashed into range, row-wise Adagrad, on an
+8-device CPU mesh (forced host devices). One step = gather_rows + pool_rows +
+backward to the rows + apply_sparse_updates, jitted once with the state donated.
+Prints one line per size (JSON with --json).
+"""
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,  # noqa: E402
+                               apply_sparse_updates, gather_rows, init_embedding_state,
+                               plan_embeddings, pool_rows, prepare_ids)
+from gem_jax.parallel.mesh import make_mesh  # noqa: E402
+
+
+def make_step(plan):
+  def loss_fn(rows, ctx):
+    emb = pool_rows(plan, rows, ctx)
+    return sum(jnp.sum(e * e) for e in emb.values()) / plan.batch_size
+
+  def step(state, ids):
+    rows, ctx = gather_rows(plan, state, ids)
+    loss, g = jax.value_and_grad(loss_fn)(rows, ctx)
+    return apply_sparse_updates(plan, state, ctx, g), loss
+  return jax.jit(step, donate_argnums=0)
+
+
+def bench(rows: int, args) -> dict:
+  n_tables = args.tables
+  tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding)
+            for i in range(n_tables)]
+  feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
+  mesh = make_mesh(tuple(args.mesh))
+  plan = plan_embeddings(tables, feats, mesh, args.batch, SparseOptimizerConfig(lr=0.01))
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(init_embedding_state(plan, jax.random.key(0)))
+  init_s = time.perf_counter() - t0
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(4):
+    raw = {f.name: rng.zipf(1.1, (args.batch, args.bag)).astype(np.int64) for f in feats}
+    batches.append(jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()))
+  step = make_step(plan)
+  t0 = time.perf_counter()
+  state, loss = step(state, batches[0])
+  jax.block_until_ready(loss)
+  compile_s = time.perf_counter() - t0
+  for i in range(args.warmup):
+    state, loss = step(state, batches[i % 4])
+  jax.block_until_ready(state)
+  times = []
+  for i in range(args.steps):
+    t0 = time.perf_counter()
+    state, loss = step(state, batches[i % 4])
+    jax.block_until_ready((state, loss))
+    times.append((time.perf_counter() - t0) * 1e3)
+  out = {
+      "rows": rows, "tables": n_tables, "dim": args.dim, "batch": args.batch, "bag": args.bag,
+      "mesh": list(mesh.devices.shape), "sharding": sorted(set(plan.sharding.values())),
+      "step_ms_median": float(np.median(times)), "step_ms_min": float(np.min(times)),
+      "step_ms_max": float(np.max(times)),
+      "exchange_bytes_per_step": int(sum(plan.exchange_bytes().values())),
+      "table_bytes": int(rows * args.dim * 4),
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "init_s": init_s, "compile_s": compile_s, "loss": float(loss),
+  }
+  del state
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000],
+                 help="total rows over all tables, one run per value (ascending: peak RSS "
+                      "is the process maximum so far)")
+  p.add_argument("--tables", type=int, default=8)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--batch", type=int, default=4096)
+  p.add_argument("--bag", type=int, default=4)
+  p.add_argument("--mesh", type=int, nargs=2, default=[1, 8], metavar=("REPLICA", "SHARD"))
+  p.add_argument("--sharding", default="auto",
+                 choices=["auto", "table_wise", "row_wise", "column_wise", "replicated"])
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--json", action="store_true", help="one JSON object per line")
+  args = p.parse_args(argv)
+  results = []
+  for rows in args.rows:
+    r = bench(rows, args)
+    results.append(r)
+    if args.json:
+      print(json.dumps(r), flush=True)
+    else:
+      print(f"rows {rows:>11,d}: step median {r['step_ms_median']:.1f} ms (min "
+            f"{r['step_ms_min']:.1f}, max {r['step_ms_max']:.1f}), exchange "
+            f"{r['exchange_bytes_per_step']:,d} B/step, peak RSS {r['peak_rss_mb']:.0f} MB",
+            flush=True)
+  if len(results) > 1 and not args.json:
+    print(f"ratio largest/smallest median: "
+          f"{results[-1]['step_ms_median'] / results[0]['step_ms_median']:.2f}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

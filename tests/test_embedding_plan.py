@@ -1,0 +1,167 @@
+"""Planner, layout arithmetic and id policies (host-side, no compilation)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,
+                               apply_id_policy, hash_ids, plan_embeddings, prepare_ids)
+from gem_jax.embedding import layout
+from gem_jax.embedding.optimizers import dedup_rows
+
+
+# ---- layout arithmetic -------------------------------------------------------------
+def test_rows_and_cols_per_shard():
+  assert layout.rows_per_shard(10, 4) == 3
+  assert layout.rows_per_shard(8, 4) == 2
+  assert layout.rows_per_shard(1, 8) == 1
+  assert layout.cols_per_shard(6, 4) == 2
+  owner, local = layout.row_owner(np.array([0, 2, 3, 9]), 3)
+  assert owner.tolist() == [0, 0, 1, 3] and local.tolist() == [0, 2, 0, 0]
+
+
+def test_assign_table_wise_balances_greedily():
+  assert layout.assign_table_wise([5, 4, 3, 3], 2) == [0, 1, 1, 0]
+  assert layout.assign_table_wise([1, 1, 1], 4) == [0, 1, 2]
+  assert layout.assign_table_wise([2, 1], 2, initial_load=[5, 0]) == [1, 1]
+
+
+def test_block_offsets_and_slots():
+  assert layout.block_offsets([0, 1, 0], [5, 7, 2], 2) == ([0, 0, 5], 7)
+  assert layout.block_offsets([], [], 3) == ([], 1)
+  assert layout.slot_table([1, 0, 1], 2) == ([[1, -1], [0, 2]], 2)
+  assert layout.slot_table([0], 3) == ([[0], [-1], [-1]], 1)
+
+
+def test_canonical_spec():
+  assert layout.canonical_spec(16, 8, 4) == P("shard", None)
+  assert layout.canonical_spec(10, 8, 4) == P(None, "shard")
+  assert layout.canonical_spec(10, 6, 4) == P(None, None)
+  assert layout.canonical_spec(16, None, 8) == P("shard")
+  assert layout.canonical_spec(10, None, 4) == P()
+
+
+def test_dedup_rows_sums_duplicates():
+  rows = jnp.array([3, -1, 3, 1], jnp.int32)
+  g = jnp.array([[1.0], [10.0], [2.0], [4.0]])
+  uniq, summed = dedup_rows(rows, g)
+  assert uniq.tolist() == [1, 3, -1, -1]
+  assert summed[:, 0].tolist() == [4.0, 3.0, 0.0, 0.0]
+
+
+# ---- planner -----------------------------------------------------------------------
+def _tables():
+  return [TableConfig("big", 100_000, 64), TableConfig("mid1", 5_000, 32),
+          TableConfig("mid2", 4_000, 32), TableConfig("tiny", 10, 8)]
+
+
+def _features():
+  return [FeatureConfig("ad", "big", 1), FeatureConfig("ad_hist", "big", 20, "none"),
+          FeatureConfig("m1", "mid1", 4), FeatureConfig("m2", "mid2", 2, "mean"),
+          FeatureConfig("t", "tiny", 1)]
+
+
+def test_auto_sharding_choices_and_balance():
+  mesh = make_mesh(2, 4)
+  budget = 20_000_000
+  plan = plan_embeddings(_tables(), _features(), mesh, 64, memory_budget_bytes=budget)
+  # big: 100k x (64*4 + 4) = 26 MB > budget / 2 -> row_wise; tiny -> replicated.
+  assert plan.sharding == {"big": "row_wise", "mid1": "table_wise", "mid2": "table_wise",
+                           "tiny": "replicated"}
+  buf = plan.buffers["tw_d32_float32"]
+  assert buf.tables == ("mid1", "mid2") and buf.owners[0] != buf.owners[1]
+  assert buf.local_rows == 5_000 and buf.shape == (4 * 5_000, 32)
+  assert plan.buffers["big"].shape == (100_000, 64) and plan.buffers["big"].local_rows == 25_000
+  # Both 'big' features share one buffer (dedup of their updates happens together).
+  assert {u.buffer for u in plan.units.values() if "ad" in u.features[0]} == {"big"}
+  assert plan.state_shardings()["big"]["weight"].spec == P("shard", None)
+  assert plan.state_shardings()["tiny"]["accumulator"].spec == P()
+
+
+def test_describe_lists_every_device():
+  plan = plan_embeddings(_tables(), _features(), make_mesh(2, 2), 64, memory_budget_bytes=20_000_000)
+  text = plan.describe()
+  for col in ("device", "bytes", "lookups/step", "exchange B/step", "shards held"):
+    assert col in text
+  assert "big[rw 0:50000]" in text and "big[rw 50000:100000]" in text
+  assert "mid1[tw]" in text and "tiny[rep]" in text
+  assert len(text.splitlines()) == 3 + 4
+  by_dev = plan.device_bytes()
+  assert by_dev["big"] == 50_000 * (64 * 4 + 4)
+  assert all(v > 0 for v in plan.exchange_bytes().values())
+
+
+def test_fixed_sharding_types_and_column_split():
+  tables = [TableConfig("c", 100, 10, sharding="column_wise"),
+            TableConfig("r", 10, 4, sharding="row_wise")]
+  feats = [FeatureConfig("fc", "c", 2), FeatureConfig("fr", "r", 1)]
+  plan = plan_embeddings(tables, feats, make_mesh(1, 4), 8, SparseOptimizerConfig("adam"))
+  c = plan.buffers["c"]
+  assert (c.local_dim, c.shape) == (3, (100, 12))
+  assert plan.buffers["r"].shape == (12, 4)
+  assert plan.unit_rows_shape(plan.units["column_wise.fc"]) == (4 * 2, 2, 3)
+  assert set(plan.state_shardings()["c"]) == {"weight", "m", "v", "step"}
+
+
+def test_planner_error_names_table_size_and_budget():
+  with pytest.raises(ValueError, match=r"'big' \(100000 rows x 64 dims, 26,000,000 bytes per "
+                                       r"device as table_wise.*budget of 1,000,000 bytes"):
+    plan_embeddings([TableConfig("big", 100_000, 64, sharding="table_wise")],
+                    [FeatureConfig("f", "big")], make_mesh(1, 2), 8,
+                    memory_budget_bytes=1_000_000)
+  with pytest.raises(ValueError, match=r"'big' \(100000 rows x 64 dims, 6,500,000 bytes per "
+                                       r"device as row_wise.*budget of 5,000,000 bytes"):
+    plan_embeddings([TableConfig("big", 100_000, 64)], [FeatureConfig("f", "big")],
+                    make_mesh(1, 4), 8, memory_budget_bytes=5_000_000)
+
+
+def test_planner_config_errors():
+  with pytest.raises(ValueError, match="feature 'f' reads unknown table 'nope'"):
+    plan_embeddings([TableConfig("t", 10, 4)], [FeatureConfig("f", "nope")], make_mesh(1, 2), 8)
+  with pytest.raises(ValueError, match="global batch 6 is not divisible by the 1x4 mesh"):
+    plan_embeddings([TableConfig("t", 10, 4)], [FeatureConfig("f", "t")], make_mesh(1, 4), 6)
+  with pytest.raises(ValueError, match="sharding 'diagonal'"):
+    TableConfig("t", 10, 4, sharding="diagonal")
+  with pytest.raises(ValueError, match="pooling 'max'"):
+    FeatureConfig("f", "t", pooling="max")
+  with pytest.raises(ValueError, match="sparse optimizer 'lamb'"):
+    SparseOptimizerConfig("lamb")
+
+
+# ---- id policies -------------------------------------------------------------------
+def test_hash_policy_is_deterministic_in_range_and_keeps_padding():
+  raw = np.array([[0, 1, 2**40 + 7, -1], [2**62, 5, -3, 12345678901]], np.int64)
+  h = hash_ids(raw, 1000)
+  assert ((h >= 0) & (h < 1000))[raw >= 0].all()
+  assert (h[raw < 0] == -1).all()
+  np.testing.assert_array_equal(h, hash_ids(raw, 1000))
+  # Sequential raw ids spread evenly over 4 row-wise shards of 250 rows.
+  counts = np.bincount(hash_ids(np.arange(40_000), 1000) // 250, minlength=4)
+  assert counts.min() > 9_500, counts
+  out = apply_id_policy(raw, 1000, "hash", "f", "t")
+  assert out.dtype == np.int32 and (out == h).all()
+
+
+def test_clip_and_error_policies():
+  raw = np.array([[0, 9, 10, 99, -1]])
+  np.testing.assert_array_equal(apply_id_policy(raw, 10, "clip", "f", "t"),
+                                [[0, 9, 9, 9, -1]])
+  with pytest.raises(ValueError, match=r"feature 'f': id 10 at position \(0, 2\) is out of "
+                                       r"range for table 't' of 10 rows"):
+    apply_id_policy(raw, 10, "error", "f", "t")
+  np.testing.assert_array_equal(apply_id_policy(raw[:, :2], 10, "error", "f", "t"), [[0, 9]])
+
+
+def test_prepare_ids_uses_each_tables_policy_and_checks_shapes():
+  tables = [TableConfig("e", 10, 4, id_policy="error"), TableConfig("c", 10, 4, id_policy="clip")]
+  feats = [FeatureConfig("fe", "e", 2), FeatureConfig("fc", "c", 1)]
+  plan = plan_embeddings(tables, feats, make_mesh(1, 2), 2)
+  out = prepare_ids(plan, {"fe": np.array([[1, -1], [3, 4]]), "fc": np.array([[50], [2]])})
+  assert out["fe"].tolist() == [[1, -1], [3, 4]] and out["fc"].tolist() == [[9], [2]]
+  with pytest.raises(ValueError, match="feature 'fe': id 10 .* table 'e' of 10 rows"):
+    prepare_ids(plan, {"fe": np.array([[1, 10], [3, 4]]), "fc": np.array([[0], [2]])})
+  with pytest.raises(ValueError, match=r"feature 'fc': ids of shape \(2, 2\), expected \(2, 1\)"):
+    prepare_ids(plan, {"fe": np.array([[1, 2], [3, 4]]), "fc": np.zeros((2, 2), int)})
+  with pytest.raises(KeyError, match="ids for feature 'fc' are missing"):
+    prepare_ids(plan, {"fe": np.array([[1, 2], [3, 4]])})
