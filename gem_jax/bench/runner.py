@@ -1,0 +1,315 @@
+"""One benchmark run of a run config: the trainer's own setup and jitted step, timed.
+
+  result = run_benchmark(load_config('small'), steps=20, warmup=3)
+
+What is measured, in this order (all in one process):
+  1. peak FLOP/s per device: the vendor table on GPU/TPU (`report.peak_flops_per_device`)
+     and a matmul probe on every platform (CPU: `report.matmul_probe_flops`, the MFU
+     denominator; GPU: a bf16 (8192^3) product);
+  2. setup + state exactly as `gem_jax.train.loop` builds them; a pool of `pool`
+     host batches put on the devices before timing (data is not timed);
+  3. compile time: cold (empty persistent cache) and warm (in-memory caches cleared,
+     the same program loaded from the now-primed persistent cache);
+  4. `warmup` untimed steps, then `steps` steps timed one by one (median/min/max),
+     then the same number dispatched back to back (pipelined examples/s);
+  5. optionally the dense part alone: `step.dense_grads` + the dense optimizer on
+     fixed embeddings (no lookup, no exchange, no sparse update), for dense MFU.
+
+MFU = analytic train FLOPs per example (`gem_jax.flops`, 3 x forward) x examples/s
+/ (devices x peak). Memory: the compiled step's `memory_analysis()` (arguments +
+outputs - aliased + temporaries) and, where the device reports it, its peak bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import math
+import os
+import platform
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gem_jax import embedding as emb_lib
+from gem_jax import flops as flops_lib
+from gem_jax.bench import timing
+from gem_jax.data import pipeline
+from gem_jax.parallel import sharding as shd
+from gem_jax.train import loop
+from gem_jax.train import report
+from gem_jax.train import state as state_lib
+from gem_jax.train import step as step_lib
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------- configs --
+
+def config_path(name: str) -> str:
+  """'small' -> <repo>/configs/small.py; a path ending in .py is returned as is."""
+  if name.endswith(".py"):
+    return os.path.abspath(name)
+  return os.path.join(_REPO, "configs", f"{name}.py")
+
+
+def load_config(name: str, overrides: dict[str, Any] | None = None):
+  """`get_config()` of configs/NAME.py with dotted overrides {'data.batch_size': 1024}."""
+  path = config_path(name)
+  spec = importlib.util.spec_from_file_location(f"gem_jax_bench_config_{os.path.basename(path)[:-3]}",
+                                                path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  config = mod.get_config()
+  for key, value in (overrides or {}).items():
+    parts = key.split(".")
+    node = config
+    for p in parts[:-1]:
+      node = node[p]
+    node[parts[-1]] = value
+  return config
+
+
+def fit_mesh(config, num_devices: int):
+  """Uses the config's mesh if it fits `num_devices`, else (1, num_devices)."""
+  try:
+    from gem_jax.parallel.mesh import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
+    shape = resolve_mesh_shape(tuple(config.mesh), num_devices)
+    if math.prod(shape) == num_devices:
+      return config
+  except ValueError:
+    pass
+  config.mesh = (1, num_devices)
+  return config
+
+
+def model_config(config):
+  """The GEMConfig of the run config's model block (preset + dtype/fp8/remat + overrides)."""
+  from gem_jax.models import config as mc  # pylint: disable=import-outside-toplevel
+  m = config.model
+  overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in m.get("overrides", {}).items()}
+  remat = None if m.remat in (None, "", "none") else m.remat
+  return mc.get_config(m.preset, dtype=m.dtype, fp8=m.fp8, remat=remat, **overrides)
+
+
+def analytic_train_flops(config, spec, feature_dims) -> float:
+  """Training FLOPs per example (3 x forward) of the config's model (`gem_jax.flops`)."""
+  cfg = model_config(config)
+  name = config.model.name
+  if name == "gem":
+    fwd = flops_lib.gem_flops(cfg, spec, feature_dims)["total"]
+  else:
+    fwd = flops_lib.dlrm_flops(cfg, spec, feature_dims,
+                               "dcn" if name == "dcnv2" else "dot")["total"]
+  return float(flops_lib.train_flops(fwd))
+
+
+# ------------------------------------------------------------------ probes --
+
+def gpu_matmul_probe(dtype=jnp.bfloat16, n: int = 8192, repeats: int = 10) -> float:
+  """Measured FLOP/s of an (n, n) @ (n, n) product on the default device, best of `repeats`."""
+  a = jnp.ones((n, n), dtype)
+  b = jnp.ones((n, n), dtype) * 0.5
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2.0 * n ** 3 / best
+
+
+def peaks(dtype: str) -> dict[str, Any]:
+  """The MFU peak per device (and where it comes from) plus the measured matmul probe."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    probe = report.peak_flops_per_device(dev, dtype)
+    return {"peak_flops_per_device": probe, "peak_source": "cpu matmul probe (same run)",
+            "probe_flops_per_device": probe}
+  table = report.peak_flops_per_device(dev, dtype)
+  probe_dtype = jnp.bfloat16 if "float8" in str(dtype) else jnp.dtype(dtype)
+  probe = gpu_matmul_probe(probe_dtype)
+  return {"peak_flops_per_device": table or probe,
+          "peak_source": "vendor table" if table else "matmul probe (device unknown)",
+          "probe_flops_per_device": probe}
+
+
+# ----------------------------------------------------------------- batches --
+
+def device_batches(s: loop.Setup, config, n: int) -> list[dict]:
+  """`n` training batches of the config's source, on the mesh in the trainer's shardings."""
+  it = s.train_src.batches(config.data.batch_size, seed=config.seed, repeat=True)
+  ids_sh = s.plan.ids_shardings()
+  out = []
+  for host in pipeline.take(it, n):
+    host = dict(host)
+    host["ids"] = emb_lib.prepare_ids(s.plan, host["ids"])
+    out.append(pipeline.global_batch(host, shd.batch_shardings(host, s.mesh, ids_sh)))
+  return out
+
+
+def memory_figures(compiled) -> dict[str, float]:
+  """Bytes per device of the compiled program (XLA's memory analysis)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    m = None
+  if m is None:
+    return {}
+  m = m[0] if isinstance(m, (list, tuple)) else m
+  arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
+  alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
+  return {"mem_argument_bytes": arg, "mem_output_bytes": out, "mem_alias_bytes": alias,
+          "mem_temp_bytes": temp, "mem_peak_bytes_compiled": arg + out - alias + temp}
+
+
+def device_memory_peak() -> float | None:
+  stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+# -------------------------------------------------------------- dense part --
+
+def dense_step_fn(s: loop.Setup):
+  """(params, opt_state, emb, batch) -> (params, opt_state, loss): the dense half of the step.
+
+  The same `step.dense_grads` and dense optimizer as `train_step`, on fixed
+  embeddings: no lookup, no exchange, no sparse update.
+  """
+  cfg = s.step_cfg
+
+  def fn(params, opt_state, model_state, emb, batch):
+    dense = {k: v for k, v in batch.items() if k not in ("ids", "weights")}
+    loss, g, _ = step_lib.dense_grads(params, emb, dense, model_state, cfg.graphdef, cfg.spec,
+                                      cfg.grad_accum)
+    updates, opt_state = cfg.tx.update(g, opt_state, params)
+    return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, loss
+  return jax.jit(fn, donate_argnums=(0, 1))
+
+
+# --------------------------------------------------------------------- run --
+
+@dataclasses.dataclass
+class BenchOptions:
+  steps: int = 20
+  warmup: int = 3
+  pool: int = 4
+  cache_dir: str | None = None     # None: a fresh temporary directory (cold = truly cold)
+  warm_compile: bool = True
+  dense_part: bool = True
+  dump_hlo: str | None = None      # write the optimized HLO text of the step here
+
+
+def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -> dict[str, Any]:
+  """Benchmarks `config`'s train step on the visible devices; returns one flat result dict."""
+  cache = opts.cache_dir or tempfile.mkdtemp(prefix="gem_jax_bench_cache_")
+  report.enable_compilation_cache(cache)
+  load_before = timing.loadavg()
+  peak = peaks(config.model.dtype if not config.model.fp8 else "float8")
+
+  s = loop.setup(config)
+  state = state_lib.init_train_state(jax.random.key(config.seed), s.model_fn, s.tx, s.emb_init,
+                                     s.acc_fn, s.shardings)
+  batches = device_batches(s, config, opts.pool)
+  batch_sh = jax.tree.map(lambda x: x.sharding, batches[0])
+  jitted = step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh)
+  compiled, cold = report.timed_compile(jitted, state, batches[0])
+  warm = None
+  if opts.warm_compile:
+    jax.clear_caches()
+    _, warm = report.timed_compile(
+        step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh), state, batches[0])
+  if opts.dump_hlo:
+    os.makedirs(os.path.dirname(os.path.abspath(opts.dump_hlo)), exist_ok=True)
+    with open(opts.dump_hlo, "w", encoding="utf-8") as f:
+      f.write(compiled.as_text())
+
+  n = len(batches)
+  losses = []
+
+  def one(i):
+    nonlocal state
+    state, metrics = compiled(state, batches[i % n])
+    return state, metrics
+
+  for i in range(opts.warmup):
+    out = one(i)
+    jax.block_until_ready(out)
+    if i == 0:
+      losses.append(float(out[1]["train_loss"]))
+  meter = timing.CpuMeter()
+  times = timing.time_steps(lambda i: one(opts.warmup + i), opts.steps, jax.block_until_ready)
+  contention = meter.stop()
+  t0 = time.perf_counter()
+  for i in range(opts.steps):
+    out = one(i)
+  jax.block_until_ready(out)
+  pipelined = time.perf_counter() - t0
+  losses.append(float(out[1]["train_loss"]))
+
+  b = config.data.batch_size
+  n_dev = s.mesh.size
+  stats = timing.StepStats(tuple(times), b)
+  flops = analytic_train_flops(config, s.spec, s.feature_dims)
+  result: dict[str, Any] = {
+      "name": name, "config": name, "framework": "gem_jax",
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+      "devices": n_dev, "mesh": list(s.mesh.devices.shape), "batch_size": b,
+      "model": config.model.name, "preset": config.model.preset, "dtype": config.model.dtype,
+      "fp8": bool(config.model.fp8), "warmup_steps": opts.warmup,
+      **stats.as_dict(),
+      "examples_per_s_pipelined": opts.steps * b / pipelined,
+      "compile_cold_s": cold.lower_s + cold.compile_s, "lower_s": cold.lower_s,
+      "xla_compile_cold_s": cold.compile_s,
+      "compile_warm_s": None if warm is None else warm.lower_s + warm.compile_s,
+      "xla_compile_warm_s": None if warm is None else warm.compile_s,
+      "train_flops_per_example": flops,
+      "xla_flops_per_example": loop.xla_flops_per_example(compiled, b),
+      **peak,
+      "embedding_exchange_bytes_per_step": int(sum(s.plan.exchange_bytes().values())),
+      "embedding_sharding": dict(s.plan.sharding),
+      **memory_figures(compiled),
+      "device_peak_bytes": device_memory_peak(),
+      "loss_first": losses[0], "loss_last": losses[-1],
+      "loadavg_before": load_before, **contention,
+      "jax": jax.__version__, "python": platform.python_version(),
+  }
+  eps = stats.examples_per_s
+  result["tflops_per_device"] = flops * eps / n_dev / 1e12
+  result["mfu"] = report.mfu(flops, eps, n_dev, peak["peak_flops_per_device"])
+
+  if opts.dense_part:
+    result.update(_dense_part(s, config, state, batches, opts, flops, n_dev,
+                              peak["peak_flops_per_device"]))
+    result["dense_share_of_step"] = result["dense_step_ms_median"] / result["step_ms_median"]
+  result["peak_rss_mb"] = timing.peak_rss_mb()
+  return result
+
+
+def _dense_part(s, config, state, batches, opts, flops, n_dev, peak) -> dict[str, Any]:
+  """Times the dense half alone on the embeddings of the first batch."""
+  emb = emb_lib.lookup(s.plan, state.emb, batches[0]["ids"], batches[0].get("weights"))
+  emb = jax.block_until_ready(emb)
+  fn = dense_step_fn(s)
+  params = jax.tree.map(lambda x: x.copy(), state.params)
+  opt_state = jax.tree.map(lambda x: x.copy(), state.opt_state)
+  n = len(batches)
+  carry = [params, opt_state]
+
+  def one(i):
+    carry[0], carry[1], loss = fn(carry[0], carry[1], state.model_state, emb, batches[i % n])
+    return loss
+
+  for i in range(opts.warmup):
+    jax.block_until_ready(one(i))
+  times = timing.time_steps(one, opts.steps, jax.block_until_ready)
+  st = timing.StepStats(tuple(times), config.data.batch_size)
+  return {"dense_step_ms_median": 1e3 * st.median_s,
+          "dense_examples_per_s": st.examples_per_s,
+          "dense_mfu": report.mfu(flops, st.examples_per_s, n_dev, peak)}

@@ -1,0 +1,105 @@
+"""Benchmarks a config's train step; optionally runs the TorchRec peer side by side.
+
+  python scripts/benchmark.py --config small
+  python scripts/benchmark.py --config dlrm_peer --devices 1 --peer torchrec --repeat 3
+  python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec --json
+  python scripts/benchmark.py --config medium --set model.fp8=True --json
+
+Prints a readable table (stderr) and, with --json, one JSON line per run on
+stdout (also appended to --out). With --peer torchrec, gem_jax and the peer
+alternate (never concurrently) --repeat times; the summary line holds the
+medians and the ratio gem_jax / TorchRec of examples/s, with the load average
+of every run. Fields: see gem_jax/bench/runner.py.
+"""
+import argparse
+import ast
+import json
+import os
+import sys
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", required=True, help="configs/NAME.py name or a path")
+  p.add_argument("--devices", type=int, default=None,
+                 help="CPU: simulated devices (default 1); GPU/TPU: the first N devices")
+  p.add_argument("--peer", choices=["torchrec"], default=None)
+  p.add_argument("--json", action="store_true", help="JSON lines on stdout")
+  p.add_argument("--out", default=None, help="append the JSON lines to this file")
+  p.add_argument("--steps", type=int, default=20, help="timed steps (>= 20 for reports)")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--pool", type=int, default=4, help="distinct device batches cycled")
+  p.add_argument("--repeat", type=int, default=1, help="runs (alternating with the peer)")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. --set data.batch_size=1024 (Python literal values)")
+  p.add_argument("--cache-dir", default=None, help="persistent compile cache (default: fresh)")
+  p.add_argument("--no-warm-compile", action="store_true")
+  p.add_argument("--no-dense-part", action="store_true", help="skip the dense-only timing")
+  p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
+  p.add_argument("--peer-threads", type=int, default=2)
+  p.add_argument("--peer-python", default=None, help="TorchRec venv python")
+  return p.parse_args(argv)
+
+
+def _overrides(items):
+  out = {}
+  for item in items:
+    key, _, raw = item.partition("=")
+    try:
+      out[key.strip()] = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      out[key.strip()] = raw
+  return out
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  n = args.devices or 1
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  import jax  # noqa: E402  pylint: disable=import-outside-toplevel
+  from gem_jax.bench import peer as peer_lib  # pylint: disable=import-outside-toplevel
+  from gem_jax.bench import report_table  # pylint: disable=import-outside-toplevel
+  from gem_jax.bench import runner  # pylint: disable=import-outside-toplevel
+
+  n = args.devices or (1 if jax.default_backend() == "cpu" else jax.device_count())
+  name = os.path.basename(args.config)[:-3] if args.config.endswith(".py") else args.config
+  opts = runner.BenchOptions(steps=args.steps, warmup=args.warmup, pool=args.pool,
+                             cache_dir=args.cache_dir, warm_compile=not args.no_warm_compile,
+                             dense_part=not args.no_dense_part, dump_hlo=args.dump_hlo)
+  rows = []
+
+  def emit(row):
+    rows.append(row)
+    line = json.dumps(row, default=float)
+    if args.json:
+      print(line, flush=True)
+    if args.out:
+      with open(args.out, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+  for r in range(args.repeat):
+    config = runner.fit_mesh(runner.load_config(args.config, _overrides(args.set)), n)
+    res = runner.run_benchmark(config, opts, name=name)
+    res["repeat"] = r
+    emit(res)
+    print(report_table.format_run(res), file=sys.stderr, flush=True)
+    if args.peer:
+      cmd = peer_lib.peer_command_from_config(config, steps=max(args.steps, 20), warmup=5,
+                                              threads=args.peer_threads, python=args.peer_python)
+      print("peer: " + " ".join(cmd), file=sys.stderr, flush=True)
+      out = peer_lib.run_peer(cmd)
+      out.update(name=name, repeat=r, loadavg_after=runner.timing.loadavg())
+      emit(out)
+      print(report_table.format_peer(out), file=sys.stderr, flush=True)
+  if args.peer:
+    summary = report_table.side_by_side(rows)
+    emit(summary)
+    print(report_table.format_summary(summary), file=sys.stderr, flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
