@@ -180,8 +180,11 @@ class InterFormerBlock(nnx.Module):
 
   def x_summary(self, x: jax.Array) -> jax.Array:
     """X_sum = Gating(MLP(X)): (B, n, D) -> (B, m, D)."""
-    z = jnp.einsum("bnd,nm->bmd", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
-                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, m, D)
+    # 'bnd,nm->bdm' then a transpose: XLA:CPU has no bf16 x bf16 -> f32 kernel for the
+    # non-canonical 'bnd,nm->bmd' layout.
+    z = jnp.einsum("bnd,nm->bdm", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
+                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, D, m)
+    z = jnp.swapaxes(z, 1, 2)  # (B, m, D)
     z = self.x_fc2(jax.nn.gelu(self.x_fc1(z)))  # (B, m, D)
     return self.x_gate(z)  # (B, m, D)
 
