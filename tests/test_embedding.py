@@ -20,8 +20,8 @@ from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2)]
 B = 16
 TABLES = [
-    TableConfig("tw_a", 37, 8, sharding="table_wise"),
-    TableConfig("tw_b", 50, 8, sharding="table_wise"),
+    TableConfig("tw_a", 37, 8, sharding="table_wise"),   # by columns (by nothing: tw_c on 1x8)
+    TableConfig("tw_b", 48, 8, sharding="table_wise"),   # canonical split by rows
     TableConfig("tw_c", 23, 4, sharding="table_wise"),   # a second table-wise group
     TableConfig("rw", 45, 8, sharding="row_wise"),
     TableConfig("cw", 30, 6, sharding="column_wise"),   # 6 columns do not split evenly

@@ -228,7 +228,7 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   out_specs = ({n: DEV for n in plan.units},
                {"row": {n: DEV for n in plan.units}, "count": {f: P(BATCH) for f in mean_feats}})
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs), out_specs=out_specs)
-  return fn(weights_in, dict(ids))
+  return fn(weights_in, {f: ids[f] for f in plan.features})
 
 
 def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
@@ -242,7 +242,7 @@ def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
     {feature: (B, D)} for 'sum'/'mean' features, {feature: (B, L, D)} with zero
     rows at padding for 'none' features; mean = sum_i w_i e_i / n_valid (0 if empty).
   """
-  weights = dict(weights or {})
+  weights = {f: w for f, w in (weights or {}).items() if f in plan.features}
   w_specs = {f: P(BATCH, None) for f in weights}
 
   def body(rows, row_idx, count, weights):

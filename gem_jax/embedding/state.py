@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gem_jax.embedding import tw_move
 from gem_jax.embedding.plan import EmbeddingPlan
 
 
@@ -42,6 +43,7 @@ def _init_canonical(plan: EmbeddingPlan, key) -> dict:
 
 def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
   """Canonical tables -> padded, packed buffers (a pure function, jitted by callers)."""
+  shard = plan.canonical_shardings()
   state = {}
   for name, buf in plan.buffers.items():
     leaves = ["weight", *plan.optimizer.slot_names()]
@@ -53,11 +55,9 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
       per_row = leaf == "accumulator"
       dtype = buf.dtype if leaf == "weight" else jnp.float32
       if buf.kind == "table_wise":
-        shape = (buf.rows,) if per_row else (buf.rows, buf.dim)
-        x = jnp.zeros(shape, dtype)
-        for i, t in enumerate(buf.tables):
-          start = buf.owners[i] * buf.local_rows + buf.offsets[i]
-          x = jax.lax.dynamic_update_slice_in_dim(x, canon[t][leaf].astype(dtype), start, 0)
+        block = (buf.local_rows,) if per_row else (buf.local_rows, buf.dim)
+        specs = [shard[t][leaf].spec for t in buf.tables]
+        x = tw_move.pack(plan, buf, [canon[t][leaf] for t in buf.tables], specs, block, dtype)
       else:
         x = canon[buf.tables[0]][leaf].astype(dtype)
         if buf.kind == "row_wise":
@@ -72,16 +72,25 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
 
 def _unlayout(plan: EmbeddingPlan, state: dict) -> dict:
   """Buffers -> unpadded canonical tables (inverse of `_layout`)."""
-  canon = {}
+  shard = plan.canonical_shardings()
+  canon = {t: {} for t in plan.tables}
   for name, buf in plan.buffers.items():
+    if buf.kind == "table_wise":
+      for leaf, x in state[name].items():
+        if leaf == "step":
+          for t in buf.tables:
+            canon[t][leaf] = x
+          continue
+        shapes = [(plan.tables[t].rows,) + x.shape[1:] for t in buf.tables]
+        specs = [shard[t][leaf].spec for t in buf.tables]
+        for t, y in zip(buf.tables, tw_move.unpack(plan, buf, x, shapes, specs)):
+          canon[t][leaf] = y
+      continue
     for i, t in enumerate(buf.tables):
       rows, out = plan.tables[t].rows, {}
       for leaf, x in state[name].items():
         if leaf == "step":
           out[leaf] = x
-        elif buf.kind == "table_wise":
-          start = buf.owners[i] * buf.local_rows + buf.offsets[i]
-          out[leaf] = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
         elif buf.kind == "column_wise" and x.ndim == 2:
           out[leaf] = x[:, :buf.dim]
         else:
