@@ -58,8 +58,8 @@ class DenseTokenizer(nnx.Module):
 class SparseProjector(nnx.Module):
   """e'_f = e_f W_g(f) if D_f != d else e_f, stacked in feature order -> (B, n_sparse, d).
 
-  Features sharing a table width D_f form one group g whose projections are one
-  batched einsum with W_g of shape (G, D_f, d).
+  Features sharing a table width D_f form one group whose projections are stored
+  as one (G, D_f, d) parameter (one 2-D matmul per feature).
 
   Args:
     feature_dims: ordered {feature: D_f}; the output token order follows it.
@@ -86,13 +86,13 @@ class SparseProjector(nnx.Module):
   def __call__(self, sparse: Mapping[str, jax.Array]) -> jax.Array:
     out = {}
     for dim, names in self.groups:
-      x = jnp.stack([sparse[n] for n in names], axis=0).astype(self.dtype)  # (G, B, D_f)
-      if dim != self.d:
-        w = self.proj[str(dim)][...].astype(self.dtype)  # (G, D_f, d)
-        x = jnp.einsum("gbk,gkd->gbd", x, w,
-                       preferred_element_type=jnp.float32).astype(self.dtype)  # (G, B, d)
+      w = self.proj[str(dim)][...].astype(self.dtype) if dim != self.d else None  # (G, D_f, d)
       for i, n in enumerate(names):
-        out[n] = x[i]
+        x = sparse[n].astype(self.dtype)  # (B, D_f)
+        if w is not None:
+          x = jnp.einsum("bk,kd->bd", x, w[i],
+                         preferred_element_type=jnp.float32).astype(self.dtype)  # (B, d)
+        out[n] = x
     return jnp.stack([out[n] for n in self.names], axis=1)  # (B, n_sparse, d)
 
 

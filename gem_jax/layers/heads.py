@@ -61,16 +61,20 @@ class GroupedMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     act, final = ACTIVATIONS[self.activation], ACTIVATIONS[self.final_activation]
     x = x.astype(self.dtype)
-    if x.ndim == 3:
-      x = jnp.swapaxes(x, 0, 1)  # (G, B, K): group-major, a leading batch dim for the dot
     n = len(self.kernels)
     for j, (w, b) in enumerate(zip(self.kernels, self.biases)):
-      eq = "bk,gkn->gbn" if x.ndim == 2 else "gbk,gkn->gbn"
-      x = jnp.einsum(eq, x, w[...].astype(self.dtype),
-                     preferred_element_type=jnp.float32)  # (G, B, n_j)
-      x = (x + b[...].astype(jnp.float32)[:, None, :]).astype(self.dtype)
+      w = w[...].astype(self.dtype)  # (G, K, N)
+      g_, k_, n_ = w.shape
+      if x.ndim == 2:  # shared input: one (B, K) x (K, G N) matmul
+        wk = jnp.transpose(w, (1, 0, 2)).reshape(k_, g_ * n_)
+        y = jnp.einsum("bk,km->bm", x, wk, preferred_element_type=jnp.float32)
+        y = y.reshape(-1, g_, n_)  # (B, G, N)
+      else:  # per-group 2-D matmuls (XLA:CPU lacks batched bf16 x bf16 -> f32 dots)
+        y = jnp.stack([jnp.einsum("bk,kn->bn", x[:, g], w[g], preferred_element_type=jnp.float32)
+                       for g in range(g_)], axis=1)  # (B, G, N)
+      x = (y + b[...].astype(jnp.float32)[None]).astype(self.dtype)
       x = final(x) if j == n - 1 else act(x)
-    return jnp.swapaxes(x, 0, 1)  # (B, G, N)
+    return x  # (B, G, N)
 
 
 def _select(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -1,0 +1,76 @@
+"""Analytic FLOPs vs XLA's count, the wukong_108 CLI line, parameter counts."""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gem_jax import flops
+from gem_jax.layers.mlp import MLP
+from gem_jax.layers.wukong import WukongLayer
+from gem_jax.models import DLRM, GEM, get_config, random_inputs, reference_spec
+
+
+def _xla_flops(fn, *args):
+  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_tiny_gem_forward_flops_match_xla():
+  spec = reference_spec(n_dense=5, n_sparse=4, streams=2, max_len=12, item_features=2)
+  cfg = get_config("tiny")
+  fd = {f.name: (cfg.d_model if i % 2 else 8) for i, f in enumerate(spec.sparse)}
+  model = nnx.eval_shape(lambda: GEM(cfg, spec, fd, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  b = 4
+  xla = _xla_flops(lambda s, x: nnx.merge(graphdef, s)(x), state, random_inputs(spec, fd, b)) / b
+  ana = flops.gem_flops(cfg, spec, fd)
+  assert abs(xla - ana["total"]) / ana["total"] < 0.10, (xla, ana)
+  assert ana["total"] == sum(v for k, v in ana.items() if k != "total")
+
+
+def test_dlrm_flops_match_xla():
+  spec = reference_spec(n_dense=13, n_sparse=8, streams=0)
+  cfg = get_config("dlrm_torchrec")
+  fd = {f.name: 64 for f in spec.sparse}
+  model = nnx.eval_shape(lambda: DLRM(cfg, spec, fd, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  xla = _xla_flops(lambda s, x: nnx.merge(graphdef, s)(x), state, random_inputs(spec, fd, 4)) / 4
+  ana = flops.dlrm_flops(cfg, spec, fd)["total"]
+  assert abs(xla - ana) / ana < 0.05, (xla, ana)
+
+
+def test_formulas():
+  assert flops.fm_flops(3, 4, 5) == 4 * 3 * 4 * 5
+  assert flops.wukong_layer_flops(6, 8, 3, 3, 2, (10,)) == (
+      4 * 6 * 8 * 2 + 2 * (12 * 10 + 10 * 24) + 2 * 3 * 6 * 8)  # no residual projection
+  assert flops.wukong_layer_flops(5, 8, 3, 3, 2, (10,)) == (
+      4 * 5 * 8 * 2 + 2 * (10 * 10 + 10 * 24) + 2 * 3 * 5 * 8 + 2 * 5 * 6 * 8)
+  assert flops.attention_flops(128, 16, mask="block_local", block_size=64) == (
+      8 * 128 * 256 + 4 * 128 * 64 * 16)
+  assert flops.attention_flops(100, 16, mask="block_local", block_size=64) == (
+      8 * 100 * 256 + 4 * 128 * 64 * 16)  # padded to whole blocks
+  assert flops.train_flops(10) == 30
+
+
+def test_wukong_108_cli_json_line():
+  out = subprocess.run([sys.executable, "-m", "gem_jax.flops", "--preset", "wukong_108",
+                        "--no-params"], capture_output=True, text=True, check=True, timeout=300)
+  lines = out.stdout.strip().splitlines()
+  assert len(lines) == 1
+  rec = json.loads(lines[0])
+  assert 100 <= rec["train_gflops_per_example"] <= 116, rec
+  np.testing.assert_allclose(rec["train_gflops_per_example"],
+                             3 * rec["forward_gflops_per_example"], rtol=1e-12)
+
+
+def test_count_params():
+  m = MLP(3, [4, 2], rngs=nnx.Rngs(0))
+  assert flops.count_params(m) == 3 * 4 + 4 + 4 * 2 + 2
+  abstract = nnx.eval_shape(lambda: WukongLayer(6, 8, n_f=3, n_l=3, k=2, mlp_hidden=(10,),
+                                                rngs=nnx.Rngs(0)))
+  # Y (6x2) + LN(12) 2x12 + MLP 12x10+10 + 10x24+24 + LCB 3x6 + LN(8) 2x8
+  assert flops.count_params(abstract) == 12 + 24 + 130 + 264 + 18 + 16
