@@ -5,8 +5,10 @@ Synthetic data (tiny preset), GEM tiny preset, 8 simulated CPU devices as a
 
   python scripts/train.py --config configs/tiny.py --workdir /tmp/tiny
 
-Size: see the `small`/`medium`/`large` docstrings for the bigger variants;
-tiny exists to exercise every code path quickly, not to learn much.
+Sizes (on its synthetic 'tiny' data, embedding dim 8): 228k dense parameters,
+4.4k embedding parameters (3 tables); 2.8 MFLOPs forward, 8.3 MFLOPs training
+FLOPs per example (analytic, gem_jax.flops; sequences at padded length).
+Tiny exists to exercise every code path quickly, not to learn much.
 """
 import ml_collections
 
