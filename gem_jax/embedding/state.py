@@ -56,8 +56,7 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
       dtype = buf.dtype if leaf == "weight" else jnp.float32
       if buf.kind == "table_wise":
         block = (buf.local_rows,) if per_row else (buf.local_rows, buf.dim)
-        specs = [shard[t][leaf].spec for t in buf.tables]
-        x = tw_move.pack(plan, buf, [canon[t][leaf] for t in buf.tables], specs, block, dtype)
+        x = tw_move.pack(plan, buf, [canon[t][leaf] for t in buf.tables], block, dtype)
       else:
         x = canon[buf.tables[0]][leaf].astype(dtype)
         if buf.kind == "row_wise":
@@ -81,9 +80,8 @@ def _unlayout(plan: EmbeddingPlan, state: dict) -> dict:
           for t in buf.tables:
             canon[t][leaf] = x
           continue
-        shapes = [(plan.tables[t].rows,) + x.shape[1:] for t in buf.tables]
         specs = [shard[t][leaf].spec for t in buf.tables]
-        for t, y in zip(buf.tables, tw_move.unpack(plan, buf, x, shapes, specs)):
+        for t, y in zip(buf.tables, tw_move.unpack(plan, buf, x, specs)):
           canon[t][leaf] = y
       continue
     for i, t in enumerate(buf.tables):
