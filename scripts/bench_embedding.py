@@ -6,7 +6,7 @@ Each size: 8 tables sharing `rows` rows, dim 64, global batch 4096, 4 ids per
 bag (sum pooling), Zipf(1.1) raw ids hashed into range, row-wise Adagrad, on an
 8-device CPU mesh (forced host devices). One step = gather_rows + pool_rows +
 backward to the rows + apply_sparse_updates, jitted once with the state donated.
-Prints one line per size (JSON with --json).
+Sizes are timed in interleaved rounds. Prints one line per size (JSON with --json).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def make_step(plan):
   return jax.jit(step, donate_argnums=0)
 
 
-def bench(rows: int, args) -> dict:
+def setup(rows: int, args) -> dict:
+  """Plan, state, id batches and the compiled step of one size."""
   n_tables = args.tables
   tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding)
             for i in range(n_tables)]
@@ -66,31 +67,38 @@ def bench(rows: int, args) -> dict:
   for i in range(args.warmup):
     state, loss = step(state, batches[i % 4])
   jax.block_until_ready(state)
-  times = []
-  for i in range(args.steps):
-    t0 = time.perf_counter()
-    state, loss = step(state, batches[i % 4])
-    jax.block_until_ready((state, loss))
-    times.append((time.perf_counter() - t0) * 1e3)
-  out = {
-      "rows": rows, "tables": n_tables, "dim": args.dim, "batch": args.batch, "bag": args.bag,
-      "mesh": list(mesh.devices.shape), "sharding": sorted(set(plan.sharding.values())),
+  return {"rows": rows, "plan": plan, "state": state, "batches": batches, "step": step,
+          "loss": loss, "times": [], "init_s": init_s, "compile_s": compile_s,
+          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def timed_step(run: dict, i: int) -> None:
+  t0 = time.perf_counter()
+  run["state"], run["loss"] = run["step"](run["state"], run["batches"][i % 4])
+  jax.block_until_ready((run["state"], run["loss"]))
+  run["times"].append((time.perf_counter() - t0) * 1e3)
+
+
+def summary(run: dict, args) -> dict:
+  plan, times = run["plan"], run["times"]
+  return {
+      "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": args.batch,
+      "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
+      "sharding": sorted(set(plan.sharding.values())),
       "step_ms_median": float(np.median(times)), "step_ms_min": float(np.min(times)),
-      "step_ms_max": float(np.max(times)),
+      "step_ms_max": float(np.max(times)), "steps": len(times),
       "exchange_bytes_per_step": int(sum(plan.exchange_bytes().values())),
-      "table_bytes": int(rows * args.dim * 4),
-      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-      "init_s": init_s, "compile_s": compile_s, "loss": float(loss),
+      "table_bytes": int(run["rows"] * args.dim * 4),
+      "peak_rss_mb": run["peak_rss_mb"], "init_s": run["init_s"],
+      "compile_s": run["compile_s"], "loss": float(run["loss"]),
   }
-  del state
-  return out
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000],
-                 help="total rows over all tables, one run per value (ascending: peak RSS "
-                      "is the process maximum so far)")
+                 help="total rows over all tables, one table set per value (give them "
+                      "ascending: peak RSS is the process maximum after that set is built)")
   p.add_argument("--tables", type=int, default=8)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--batch", type=int, default=4096)
@@ -102,10 +110,18 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--json", action="store_true", help="one JSON object per line")
   args = p.parse_args(argv)
+  # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
+  # then timed in interleaved rounds, so that load from other processes drifts
+  # over all sizes alike and their ratio stays meaningful.
+  runs = [setup(rows, args) for rows in args.rows]
+  for i in range(args.steps):
+    for run in runs:
+      timed_step(run, i)
   results = []
-  for rows in args.rows:
-    r = bench(rows, args)
+  for run in runs:
+    r = summary(run, args)
     results.append(r)
+    rows = r["rows"]
     if args.json:
       print(json.dumps(r), flush=True)
     else:

@@ -1,9 +1,10 @@
 """Sparse optimizers: row-gradient deduplication and in-place row updates.
 
 All functions work on one device's local buffer and a list of (row, gradient)
-pairs; rows < 0 are ignored. Updates gather the touched rows, compute in fp32
-and scatter them back (`mode='drop'` for the unused dedup slots), so on a
-donated buffer XLA updates in place and the cost scales with the batch.
+pairs; rows < 0 are ignored. Slots are gathered, updated in fp32 and scattered
+back; fp32 weights get one scatter-add of the step (`mode='drop'` for the unused
+dedup slots). On a donated buffer XLA updates in place, so the cost scales with
+the batch, not the table.
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def _put(x, idx, val):
   return x.at[safe].set(val.astype(x.dtype), mode="drop")
 
 
+def _step_weight(w, idx, delta):
+  """w[idx] -= delta. fp32 tables: one scatter-add (a single read-modify-write pass
+  over the touched rows, no separate gather); other dtypes: fp32 math, then cast."""
+  safe = jnp.where(idx >= 0, idx, w.shape[0])
+  if w.dtype == jnp.float32:
+    return w.at[safe].add(-delta, mode="drop")
+  return w.at[safe].set((_take(w, idx).astype(jnp.float32) - delta).astype(w.dtype), mode="drop")
+
+
 def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.Array,
                g2_mean: jax.Array, lr) -> dict:
   """One optimizer step on the unique rows `uniq` of a local buffer.
@@ -61,14 +71,14 @@ def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.
   Returns:
     The updated `slots` dict.
   """
-  w = _take(slots["weight"], uniq).astype(jnp.float32)           # (n, D)
+  w = slots["weight"]
   out = dict(slots)
   if opt.kind == "sgd":
-    out["weight"] = _put(slots["weight"], uniq, w - lr * g)
+    out["weight"] = _step_weight(w, uniq, lr * g)
   elif opt.kind == "rowwise_adagrad":
     s = _take(slots["accumulator"], uniq) + g2_mean               # (n,)
     out["accumulator"] = _put(slots["accumulator"], uniq, s)
-    out["weight"] = _put(slots["weight"], uniq, w - lr * g / (jnp.sqrt(s)[:, None] + opt.eps))
+    out["weight"] = _step_weight(w, uniq, lr * g / (jnp.sqrt(s)[:, None] + opt.eps))
   elif opt.kind == "adam":
     t = slots["step"] + 1
     m = opt.beta1 * _take(slots["m"], uniq) + (1 - opt.beta1) * g
@@ -79,7 +89,7 @@ def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.
     out["m"] = _put(slots["m"], uniq, m)
     out["v"] = _put(slots["v"], uniq, v)
     out["step"] = t
-    out["weight"] = _put(slots["weight"], uniq, w - lr * m_hat / (jnp.sqrt(v_hat) + opt.eps))
+    out["weight"] = _step_weight(w, uniq, lr * m_hat / (jnp.sqrt(v_hat) + opt.eps))
   else:
     raise ValueError(f"unknown sparse optimizer {opt.kind!r}")
   return out
