@@ -26,7 +26,7 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "transfer_teac
 
 def _teacher_config():
   c = ttrain._load_config(CONFIG)  # pylint: disable=protected-access
-  c.mesh = (2, 4)
+  c.mesh = (2, 2)
   c.data.batch_size = c.data.eval_batch_size = B
   return c
 
