@@ -265,7 +265,7 @@ def restore_or_init(s: Setup, ckpt, seed: int):
 def _evaluate(s: Setup, eval_fn, state, config):
   """One pass (at most `eval_batches` batches) over the eval source."""
   pc, pi = jax.process_count(), jax.process_index()
-  it = s.eval_src.batches(config.data.eval_batch_size // pc, process_index=pi, process_count=pc,
+  it = s.eval_src.batches(config.data.eval_batch_size, process_index=pi, process_count=pc,
                           seed=config.seed, repeat=False)
   put = _device_putter(s.eval_plan, s.mesh)
   return eval_lib.run_evaluation(eval_fn, state, (put(b) for b in it), s.spec.tasks,
@@ -275,7 +275,7 @@ def _evaluate(s: Setup, eval_fn, state, config):
 def _eval_fn(s: Setup, config):
   """`eval_step` jitted for the eval batches' shardings (taken from one eval batch)."""
   pc, pi = jax.process_count(), jax.process_index()
-  first = next(s.eval_src.batches(config.data.eval_batch_size // pc, process_index=pi,
+  first = next(s.eval_src.batches(config.data.eval_batch_size, process_index=pi,
                                   process_count=pc, seed=config.seed, repeat=False))
   batch_sh = jax.tree.map(lambda x: x.sharding, _device_putter(s.eval_plan, s.mesh)(first))
   return eval_lib.jit_eval_step(s.eval_cfg, s.shardings, batch_sh)
@@ -312,7 +312,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # Data (prefetched to the devices in a background thread) and the compiled step.
   pc, pi = jax.process_count(), jax.process_index()
-  train_it = s.train_src.batches(batch_size // pc, process_index=pi, process_count=pc,
+  train_it = s.train_src.batches(batch_size, process_index=pi, process_count=pc,
                                  seed=config.seed, repeat=True, state=data_state)
   batches = pipeline.Prefetcher(train_it, put_fn=_device_putter(s.plan, s.mesh), size=2)
   batch = next(batches)
