@@ -4,8 +4,20 @@
   python scripts/evaluate.py --config configs/small.py --workdir runs/small
 
 Runs on 2 CPU cores with 8 simulated devices as a 2 x 4 (replica x shard) mesh
-in a few minutes, and ends with eval AUC, the oracle AUC of the data and the
-share of the gap closed, (AUC - 0.5) / (oracle - 0.5).
+and ends with eval AUC, the oracle AUC of the data and the share of the gap
+closed, (AUC - 0.5) / (oracle - 0.5) (`auc_gap_closed` in the final JSON line).
+
+Measured (2 dedicated cores via taskset, jax 0.11): 650-740 examples/s, compile
+17 s; 1000 steps = 256k rows in ~6.5 min. With embedding lr 0.05 the mean eval
+AUC over click/conversion was 0.703 / 0.725 / 0.731 / 0.734 after 250 / 500 /
+750 / 1000 steps against an oracle of 0.805: 77% of the gap (click alone: 0.794
+vs 0.871, 79%). The lr 0.2 + 20 warm-up steps used here gave 0.719 instead of
+0.703 at step 250. The 90% mark is NOT reached in a few minutes: the limit is
+rows seen, not the model. A logistic regression given the true structure needs
+500k rows x 3 epochs for 90% (tests/test_synthetic.py); the DLRM baseline, 10x
+faster here, reaches 0.731 after 256k rows and 0.738 after 512k (78%). More
+steps (--config.train.steps=4000, ~25 min) is the knob; on a shared, loaded
+machine expect ~200 examples/s.
 
 Data: synthetic 'small' (8 pooled features incl. a 4-id bag, 2 event streams of
 32 and 64 events, 3 domains, click + conversion). Model: GEM 'small' preset.

@@ -368,6 +368,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         t_log = time.perf_counter()  # eval / checkpoint time is not step time
       if step < min(steps, stop_at):
         batch = next(batches)
+    if summary.get("eval_auc") is None and step >= steps:  # restarted after the end
+      state, eval_metrics = _evaluate(s, eval_fn or _eval_fn(s, config), state, config)
+      summary.update(eval_metrics)
+    oracle = oracle_summary(s.eval_src, summary, config.data.eval_examples)
+    if oracle:
+      writer.write(step, oracle)
   finally:
     batches.close()
     ckpt.close()
@@ -375,8 +381,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.close()
     writer.close()
   summary.update(last)
-  summary.update(step=step, compile_s=compile_s, workdir=os.path.abspath(workdir))
-  summary.update(oracle_summary(s.eval_src, summary, config.data.eval_examples))
+  summary.update(step=step, compile_s=compile_s, workdir=os.path.abspath(workdir), **oracle)
   return summary
 
 
