@@ -177,3 +177,17 @@ def test_project_scale_runs():
     assert r["plan_overlap_step_s"] <= r["plan_no_overlap_step_s"]
     assert 0 < r["plan_overlap_mfu"] <= 0.5 + 1e-9
   assert "GPUs" in p.stderr
+
+
+def test_loss_check_compare_and_bench_lines(tmp_path):
+  from gem_jax.bench import loss_check  # pylint: disable=import-outside-toplevel
+  ref = {"label": "cpu", "losses": [0.70, 0.65, 0.61]}
+  res = loss_check.compare(ref, {"label": "gpu", "losses": [0.71, 0.64, 0.60]}, atol=0.02)
+  assert res["ok"] and res["steps"] == 3 and res["max_abs_diff"] == pytest.approx(0.01)
+  assert not loss_check.compare(ref, {"losses": [0.70, 0.70, 0.61]}, atol=0.02)["ok"]
+  path = tmp_path / "bench.jsonl"
+  path.write_text(json.dumps({"framework": "gem_jax", "backend": "gpu", "dtype": "bfloat16",
+                              "fp8": True, "warmup_losses": [0.7, 0.6, 0.5]}) + "\n"
+                  + json.dumps({"framework": "torchrec", "examples_per_s": 1.0}) + "\n")
+  runs = loss_check.load_runs(str(path))
+  assert runs == [{"label": "gpu bfloat16 fp8", "losses": [0.7, 0.6, 0.5], "fp8": True}]

@@ -237,11 +237,11 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     state, metrics = compiled(state, batches[i % n])
     return state, metrics
 
+  warmup_losses = []  # steps 1..warmup from init on batches 0.. (compared across backends)
   for i in range(opts.warmup):
     out = one(i)
-    jax.block_until_ready(out)
-    if i == 0:
-      losses.append(float(out[1]["train_loss"]))
+    warmup_losses.append(float(jax.block_until_ready(out)[1]["train_loss"]))
+  losses.append(warmup_losses[0] if warmup_losses else float("nan"))
   meter = timing.CpuMeter()
   times = timing.time_steps(lambda i: one(opts.warmup + i), opts.steps, jax.block_until_ready)
   contention = meter.stop()
@@ -276,13 +276,16 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
       "embedding_sharding": dict(s.plan.sharding),
       **memory_figures(compiled),
       "device_peak_bytes": device_memory_peak(),
-      "loss_first": losses[0], "loss_last": losses[-1],
+      "loss_first": losses[0], "loss_last": losses[-1], "warmup_losses": warmup_losses,
       "loadavg_before": load_before, **contention,
       "jax": jax.__version__, "python": platform.python_version(),
   }
   eps = stats.examples_per_s
   result["tflops_per_device"] = flops * eps / n_dev / 1e12
   result["mfu"] = report.mfu(flops, eps, n_dev, peak["peak_flops_per_device"])
+  if config.model.fp8 and jax.default_backend() != "cpu":  # also against the bf16 peak
+    result["mfu_vs_bf16_peak"] = report.mfu(flops, eps, n_dev,
+                                            report.peak_flops_per_device(None, "bfloat16"))
 
   if opts.dense_part:
     result.update(_dense_part(s, config, state, batches, opts, flops, n_dev,

@@ -1,0 +1,92 @@
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# One H200: `medium` GEM in bf16 and with fp8, loss checked against CPU, MFU printed.
+#
+#   bash scripts/gpu_bench.sh                 # on the GPU machine, from the repository root
+#   GEM_JAX_PYTHON=.venv/bin/python bash scripts/gpu_bench.sh --cpu-smoke   # rehearsal on CPU
+#
+# Budget: ~8 min of GPU time (each stage has its own `timeout`; a stage that
+# fails or times out is reported and the next one still runs). Logs and JSON
+# lines go to $OUT (default /tmp/gpu_bench): bench.jsonl, loss_*.json, *.log.
+# Loss check: the benchmarks' 3 warm-up steps (from init, on the source's first
+# batches) against the same 3 steps of a float32 CPU run: every loss within
+# 0.03 (bf16) / 0.06 (fp8) (bf16 keeps ~3 significant digits; the loss is ~0.3-0.7).
+# --cpu-smoke (or GEM_JAX_GPU_BENCH_SMOKE=1): same stages, shrunken sizes, CPU only.
+set -u
+PY=${GEM_JAX_PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_bench}
+mkdir -p "$OUT"
+SMOKE=${GEM_JAX_GPU_BENCH_SMOKE:-0}
+[ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
+T0=$(date +%s)
+log() { echo "[gpu_bench $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.log" >&2; }
+
+SETS=()
+STEPS=20
+T_BENCH=200
+T_FP8=170
+T_LOSS=400
+if [ "$SMOKE" = "1" ]; then
+  export JAX_PLATFORMS=cpu
+  SETS=(--set data.batch_size=64 --set data.eval_batch_size=64
+        --set model.overrides.wukong_mlp="(64,64)" --set model.overrides.num_blocks=2
+        --set model.overrides.pyramid="(1.0,0.5)" --set model.overrides.wukong_nf=8
+        --set model.overrides.wukong_nl=8 --set model.overrides.wukong_k=8
+        --set model.overrides.trunk_hidden="(64,)" --set embedding.dim=32
+        --set model.overrides.d_model=32 --set model.overrides.dense_hidden="(64,)")
+  T_BENCH=900; T_FP8=900; T_LOSS=900   # a shared 2-core CPU is slow; no GPU budget here
+  log "CPU smoke run (shrunken medium)"
+fi
+
+log "devices: $($PY -c 'import jax; print(jax.devices())' 2>&1 | tail -1)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$OUT/summary.log"
+
+# 1. CPU reference losses (float32) in the background: the host has 16 cores and
+#    this runs while the accelerator works (compile times below may be a little
+#    inflated by it). Same config, batches and init as the benchmarks' warm-up steps.
+JAX_PLATFORMS=cpu timeout $T_LOSS $PY -m gem_jax.bench.loss_check --config medium --steps 3 \
+  ${SETS[@]+"${SETS[@]}"} --set model.dtype=float32 --set model.fp8=False --label "cpu float32" \
+  --out "$OUT/loss_cpu.json" > "$OUT/loss_cpu.log" 2>&1 &
+CPU_PID=$!
+
+# 2. Benchmarks (>= 20 timed steps each; the first 3 warm-up steps' losses are
+#    kept for the loss check; the dense-only timing for bf16 only).
+timeout $T_BENCH $PY scripts/benchmark.py --config medium --devices 1 --json --steps $STEPS \
+  --warmup 3 ${SETS[@]+"${SETS[@]}"} --set model.dtype=bfloat16 --out "$OUT/bench.jsonl" \
+  > "$OUT/bench_bf16.log" 2>&1 || log "bf16 benchmark failed: $(tail -5 "$OUT/bench_bf16.log")"
+timeout $T_FP8 $PY scripts/benchmark.py --config medium --devices 1 --json --steps $STEPS \
+  --warmup 3 ${SETS[@]+"${SETS[@]}"} --set model.dtype=bfloat16 --set model.fp8=True --no-dense-part \
+  --out "$OUT/bench.jsonl" > "$OUT/bench_fp8.log" 2>&1 \
+  || log "fp8 benchmark failed: $(tail -5 "$OUT/bench_fp8.log")"
+
+# 3. Loss verdicts (waits for the CPU reference).
+wait $CPU_PID || log "CPU reference failed: $(tail -3 "$OUT/loss_cpu.log")"
+STATUS=0
+if [ -f "$OUT/loss_cpu.json" ] && [ -f "$OUT/bench.jsonl" ]; then
+  $PY -m gem_jax.bench.loss_check --compare "$OUT/loss_cpu.json" "$OUT/bench.jsonl" \
+    --atol 0.03 --atol-fp8 0.06 > "$OUT/loss_check.jsonl" || STATUS=1
+  cat "$OUT/loss_check.jsonl" >> "$OUT/bench.jsonl"
+else
+  log "loss check: missing results"; STATUS=1
+fi
+
+# 4. Summary.
+$PY - "$OUT/bench.jsonl" <<'PYEOF' | tee -a "$OUT/summary.log"
+import json, sys
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  if r.get("framework") == "gem_jax":
+    print(f"{r['device_kind']} medium {r['dtype']}{' fp8' if r['fp8'] else ''}: "
+          f"{r['examples_per_s']:,.0f} ex/s, step {r['step_ms_median']:.2f} ms "
+          f"(min {r['step_ms_min']:.2f}, max {r['step_ms_max']:.2f}), "
+          f"MFU {100 * r['mfu']:.1f} % of {r['peak_flops_per_device'] / 1e12:.3g} TFLOP/s "
+          f"({r['peak_source']}; probe {r['probe_flops_per_device'] / 1e12:.3g})"
+          + (f", {100 * r['mfu_vs_bf16_peak']:.1f} % of the bf16 peak" if 'mfu_vs_bf16_peak' in r else "")
+          + (f", dense-only MFU {100 * r['dense_mfu']:.1f} %" if r.get('dense_mfu') else "")
+          + f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s'] or float('nan'):.1f} s warm"
+          + (f", device peak {r['device_peak_bytes'] / 2**30:.1f} GiB" if r.get('device_peak_bytes') else ""))
+  elif r.get("check") == "loss":
+    print(f"loss check {r['run']} vs {r['reference']}: max |diff| {r['max_abs_diff']:.4f} "
+          f"(atol {r['atol']}) -> {'OK' if r['ok'] else 'FAIL'}")
+PYEOF
+log "done in $(( $(date +%s) - T0 )) s; logs in $OUT"
+exit $STATUS
