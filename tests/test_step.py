@@ -80,3 +80,20 @@ def test_eval_step_accumulates_masked_labels():
                              (batch["labels"] * batch["label_mask"]).sum(axis=0))
   out = metrics.compute(acc, ("click", "conv"), 2)
   assert 0.0 <= out["auc/click"] <= 1.0
+
+
+def test_lr_schedule_warmup_then_cosine():
+  from gem_jax.train.optim import lr_schedule, sparse_lr_schedule
+  import jax.numpy as jnp
+  f = lr_schedule(1.0, steps=110, warmup_steps=10, decay="cosine", final_lr_fraction=0.1)
+  np.testing.assert_allclose([float(f(t)) for t in (0, 5, 10)], [0.0, 0.5, 1.0], atol=1e-6)
+  # Half-way through the decay: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55.
+  np.testing.assert_allclose(float(f(60)), 0.55, atol=1e-6)
+  np.testing.assert_allclose(float(f(110)), 0.1, atol=1e-6)
+  g = lr_schedule(2.0, steps=50, warmup_steps=0, decay="constant")
+  assert float(g(0)) == float(g(49)) == 2.0
+  s = sparse_lr_schedule(0.2, warmup_steps=4)
+  np.testing.assert_allclose([float(s(jnp.int32(t))) for t in (0, 3, 10)], [0.05, 0.2, 0.2],
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="decay"):
+    lr_schedule(1.0, 10, decay="linear")
