@@ -32,6 +32,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
+from gem_jax.train import integrity
+
 _ITEMS = ("state", "data", "config")
 
 
@@ -150,12 +152,15 @@ class CheckpointManager:
       if value is not None and math.isfinite(float(value)):
         tracked = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) or hasattr(v, "__float__")}
+    integrity.check_finite(state)  # no NaN/Inf ever reaches a checkpoint
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave({"data": data_state}),
         config=ocp.args.JsonSave({"config": _to_json(config)}),
     )
-    return bool(self._manager.save(step, args=args, metrics=tracked, force=True))
+    saved = bool(self._manager.save(step, args=args, metrics=tracked, force=True))
+    integrity.seal(self.directory, exclude=(step,))  # manifests of the finished saves
+    return saved
 
   def restore(self, abstract_state: Any, step: int | None = None) -> Restored | None:
     """Restores checkpoint `step` (default: the latest); None if there is none.
@@ -165,14 +170,15 @@ class CheckpointManager:
         `jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))`
         (e.g. `jax.eval_shape(init)` with shardings attached) for the mesh the
         arrays should land on; it may differ from the mesh that saved them.
-      step: a step from `all_steps()`, or None for the latest.
+      step: a step from `all_steps()`, or None for the latest that passes its
+        integrity check (`gem_jax.train.integrity`; corrupt ones are moved aside).
     """
-    self._manager.wait_until_finished()
+    self.wait()
     if step is None:
-      step = self._manager.latest_step()
-      if step is None:
-        return None
-    elif step not in self._manager.all_steps():
+      return integrity.restore_newest(self.directory, self.all_steps(),
+                                      lambda s: self.restore(abstract_state, step=s),
+                                      self._manager.reload)
+    if step not in self._manager.all_steps():
       raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; "
                               f"available: {self.all_steps()}")
     out = self._manager.restore(step, args=ocp.args.Composite(
@@ -184,12 +190,13 @@ class CheckpointManager:
                     config=out["config"]["config"])
 
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are complete on disk."""
+    """Blocks until pending asynchronous saves are complete on disk (and sealed)."""
     self._manager.wait_until_finished()
+    integrity.seal(self.directory)
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's resources."""
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
   def __enter__(self) -> "CheckpointManager":
