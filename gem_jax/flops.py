@@ -13,6 +13,8 @@ count 0; training = 3 x forward (recomputation from remat is not counted).
   FFN:            4 e L d^2
   cross-attn:     4 Q d^2 + 4 L d^2 + 4 Q L d
   PMA (k seeds):  4 L d^2 + 4 k L d + 4 k d^2
+  InterFormer:    X_sum once + one stream branch per event stream
+                  (`interformer_flops`, `sequence_branch_flops` of gem_jax.layers.interformer)
 
 Command line:
   python -m gem_jax.flops --preset wukong_108        # one JSON line
@@ -28,6 +30,7 @@ from typing import Mapping, Sequence
 import jax
 from flax import nnx
 
+from gem_jax.layers.interformer import interformer_flops, sequence_branch_flops  # noqa: F401
 from gem_jax.layers.mlp import mlp_flops
 
 
@@ -116,23 +119,6 @@ def count_params(model: nnx.Module) -> int:
   return int(sum(math.prod(v.shape) for v in jax.tree.leaves(state)))
 
 
-def interformer_flops(n: int, L: int, d: int, *, num_x_summary: int = 4, num_cls: int = 4,
-                      num_pma: int = 2, num_recent: int = 2, mask: str = "full",
-                      block_size: int = 64, gating_hidden: int | None = None) -> int:
-  """One InterFormerBlock without its interaction module (gem_jax.layers.interformer).
-
-  X_sum: token mix 2 m n d + MLP 4 m d^2 + gating 4 m d h; PFFN 4 m d^2 + 4 L m d;
-  self-attention over c + L tokens; PMA(L -> p); S_sum gating 4 (c + p + r) d h.
-  """
-  m, h = num_x_summary, gating_hidden or d
-  n_s = num_cls + num_pma + num_recent
-  return (2 * m * n * d + 4 * m * d * d + 4 * m * d * h
-          + 4 * m * d * d + 4 * L * m * d
-          + attention_flops(num_cls + L, d, mask=mask, block_size=block_size)
-          + (pma_flops(L, num_pma, d) if num_pma else 0)
-          + 4 * n_s * d * h)
-
-
 def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
   """Forward FLOPs per example of `gem_jax.models.gem.GEM`, per block and in total.
 
@@ -152,20 +138,21 @@ def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
   out["sequence_embedder"] = sum(2 * s.max_len * d * sum(feature_dims[f] for f in s.item_features)
                                  for s in spec.sequences)
   out["token_mix"] = 2 * n * n0 * d
-  lengths = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences]
-  seq_len = [sum(ls[l] for ls in lengths) if lengths else 1 for l in range(cfg.num_blocks)]
+  # One branch per stream (a single 1-event dummy branch when the spec has no streams).
+  lengths = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences] or [(1,) * cfg.num_blocks]
+  k = len(lengths)
   for l in range(cfg.num_blocks):
     out[f"block{l}/interformer"] = interformer_flops(
-        n, seq_len[l], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
+        n, [ls[l] for ls in lengths], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
         num_pma=cfg.num_pma, num_recent=cfg.num_recent, mask=cfg.attn_mask,
         block_size=cfg.block_size)
-    out[f"block{l}/wukong"] = wukong_layer_flops(n + n_s, d, cfg.wukong_nf, cfg.wukong_nl,
+    out[f"block{l}/wukong"] = wukong_layer_flops(n + k * n_s, d, cfg.wukong_nf, cfg.wukong_nl,
                                                  cfg.wukong_k, cfg.wukong_mlp)
   if cfg.cross_layer and cfg.num_blocks > 1:
     out["cross_layer"] = cross_layer_flops(cfg.num_blocks, n, n, d)
-  out["target_attention"] = 2 * cfg.num_queries * n * d + cross_attention_flops(
-      cfg.num_queries, seq_len[-1], d)
-  trunk_in = (n + cfg.num_x_summary + n_s + cfg.num_queries) * d
+  out["target_attention"] = 2 * cfg.num_queries * n * d + sum(
+      cross_attention_flops(cfg.num_queries, ls[-1], d) for ls in lengths)
+  trunk_in = (n + cfg.num_x_summary + k * (n_s + cfg.num_queries)) * d
   out["trunk"] = mlp_flops(trunk_in, cfg.trunk_hidden)
   out["heads"] = heads_flops(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
                              cfg.head_kind, cfg.head_hidden, cfg.num_experts, cfg.expert_hidden)

@@ -1,4 +1,5 @@
 """Analytic FLOPs vs XLA's count, the wukong_108 CLI line, parameter counts."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,6 +22,8 @@ def _xla_flops(fn, *args):
 
 def test_tiny_gem_forward_flops_match_xla():
   spec = reference_spec(n_dense=5, n_sparse=4, streams=2, max_len=12, item_features=2)
+  spec = dataclasses.replace(spec, sequences=(  # streams of 12 and 7 events: one branch each
+      spec.sequences[0], dataclasses.replace(spec.sequences[1], max_len=7)))
   cfg = get_config("tiny")
   fd = {f.name: (cfg.d_model if i % 2 else 8) for i, f in enumerate(spec.sparse)}
   model = nnx.eval_shape(lambda: GEM(cfg, spec, fd, rngs=nnx.Rngs(0)))
@@ -30,6 +33,9 @@ def test_tiny_gem_forward_flops_match_xla():
   ana = flops.gem_flops(cfg, spec, fd)
   assert abs(xla - ana["total"]) / ana["total"] < 0.10, (xla, ana)
   assert ana["total"] == sum(v for k, v in ana.items() if k != "total")
+  # per-stream pyramid lengths (12, 6) and (7, 4): block 1 runs branches on 6 and 4 events
+  assert ana["block1/interformer"] == flops.interformer_flops(cfg.n_interaction, [6, 4],
+                                                              cfg.d_model)
 
 
 def test_dlrm_flops_match_xla():

@@ -1,4 +1,7 @@
-"""GEM end to end on the tiny preset: contract, aux, jagged invariance, grads, plain jax.jit."""
+"""GEM end to end on the tiny preset: contract, aux, per-stream branches, jagged invariance,
+grads, plain jax.jit."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +13,10 @@ from gem_jax.models import GEM, get_config, random_inputs, reference_spec
 from gem_jax.models.gem import pyramid_lengths
 
 B = 4
-SPEC = reference_spec(n_dense=5, n_sparse=4, streams=2, max_len=12, item_features=2)
+_SPEC = reference_spec(n_dense=5, n_sparse=4, streams=2, max_len=12, item_features=2)
+# Streams of different lengths (12 and 7 events): each keeps its own pyramid schedule.
+SPEC = dataclasses.replace(_SPEC, sequences=(
+    _SPEC.sequences[0], dataclasses.replace(_SPEC.sequences[1], max_len=7)))
 
 
 def feature_dims(d):
@@ -34,19 +40,32 @@ def test_pyramid_lengths():
 
 
 def test_contract_shapes_and_aux(tiny):
-  cfg, fd, _, state, fwd = tiny
+  cfg, fd, model, state, fwd = tiny
   logits, aux = fwd(state, random_inputs(SPEC, fd, B))
   assert logits.shape == (B, len(SPEC.tasks)) and logits.dtype == jnp.float32
   assert aux["trunk"].shape == (B, cfg.trunk_hidden[-1])
   n_sum = cfg.num_cls + cfg.num_pma + cfg.num_recent + cfg.num_queries
-  assert aux["seq_summary"].shape == (B, n_sum * cfg.d_model)
+  assert aux["seq_summary"].shape == (B, 2 * n_sum * cfg.d_model)  # per stream, concatenated
   assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_one_branch_per_stream(tiny):
+  """Pyramid-parallel: per block one branch (own weights) per stream, own length schedule."""
+  cfg, _, model, _, _ = tiny
+  assert model.lengths == ((12, 6), (7, 4))
+  n_s = cfg.num_cls + cfg.num_pma + cfg.num_recent
+  for blk in model.blocks:
+    assert len(blk.branches) == 2 and blk.n_s_summary == 2 * n_s
+    assert blk.interaction.n_in == cfg.n_interaction + 2 * n_s
+    k0, k1 = (np.asarray(b.attn.qkv.kernel[...]) for b in blk.branches)
+    assert k0.shape == k1.shape and not np.array_equal(k0, k1)
+  assert len(model.target_attn) == 2
 
 
 def test_padded_events_change_no_output(tiny):
   """Random values (and ids / times) in padded events: every output is unchanged."""
   _, fd, _, state, fwd = tiny
-  lengths = {"stream0": np.asarray([0, 3, 12, 7]), "stream1": np.asarray([5, 0, 1, 12])}
+  lengths = {"stream0": np.asarray([0, 3, 12, 7]), "stream1": np.asarray([5, 0, 1, 7])}
   a = random_inputs(SPEC, fd, B, seed=1, lengths=lengths)
   b = random_inputs(SPEC, fd, B, seed=2, lengths=lengths)
   for k in ("dense", "sparse", "domain"):

@@ -1,11 +1,13 @@
-"""Gating, PFFN and InterFormerBlock against float64 NumPy references; jagged invariance."""
+"""Gating, PFFN and InterFormerBlock (single and multi-stream) against float64 NumPy references;
+jagged invariance, stream independence, FLOPs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.layers.interformer import PFFN, Gating, InterFormerBlock, interformer_flops
+from gem_jax.layers.interformer import (PFFN, Gating, InterFormerBlock, interformer_flops,
+                                        sequence_branch_flops)
 from test_attention import (D, H, inputs, np_, randomize_params, ref_attention, ref_layernorm,
                             ref_pma, scramble_padding)
 from test_sequence import ref_gelu, ref_ln
@@ -41,26 +43,37 @@ def ref_pffn(p, x_sum, s):
   return s + h @ v
 
 
-def ref_block(blk, x, s, valid, dt):
-  """Float64 reference of InterFormerBlock (equations of gem_jax.layers.interformer)."""
-  x, s = np.asarray(x, np.float64), np.asarray(s, np.float64)
-  valid, dt = np.asarray(valid), np.asarray(dt, np.float64)
-  b, n = s.shape[:2]
+def ref_x_summary(blk, x):
   z = np.einsum("bnd,nm->bmd", x, np_(blk.x_mix))
   z = ref_gelu(z @ np_(blk.x_fc1.kernel) + np_(blk.x_fc1.bias))
-  x_sum = ref_gating(blk.x_gate, z @ np_(blk.x_fc2.kernel) + np_(blk.x_fc2.bias))
-  u = ref_pffn(blk.pffn, x_sum, s)
-  u = np.concatenate([np.broadcast_to(np_(blk.cls), (b, 4, D)), u], 1)
+  return ref_gating(blk.x_gate, z @ np_(blk.x_fc2.kernel) + np_(blk.x_fc2.bias))
+
+
+def ref_branch(br, x_sum, s, valid, dt, mask="causal"):
+  """Float64 reference of one stream's SequenceBranch: (s' (B, L, D), s_sum (B, 8, D))."""
+  s, valid, dt = np.asarray(s, np.float64), np.asarray(valid), np.asarray(dt, np.float64)
+  b, L = s.shape[:2]
+  u = ref_pffn(br.pffn, x_sum, s)
+  u = np.concatenate([np.broadcast_to(np_(br.cls), (b, 4, D)), u], 1)
   v_ext = np.concatenate([np.ones((b, 4), bool), valid], 1)
   dt_ext = np.concatenate([np.zeros((b, 4)), dt], 1)
-  u = u + ref_attention(blk.attn, ref_ln(blk.attn_norm, u), v_ext, dt_ext, mask="causal")
+  u = u + ref_attention(br.attn, ref_ln(br.attn_norm, u), v_ext, dt_ext, mask=mask)
   s_cls, s_new = u[:, :4], u[:, 4:]
-  rec = np.where(valid[:, :2, None], s_new[:, :2], 0.0)
-  summ = ref_ln(blk.s_norm, np.concatenate([s_cls, ref_pma(blk.pma, s_new, valid), rec], 1))
-  summ[:, 6:] = np.where(valid[:, :2, None], summ[:, 6:], 0.0)
-  s_sum = ref_gating(blk.s_gate, summ)
+  ok = np.pad(valid[:, :2], [(0, 0), (0, max(0, 2 - L))])
+  rec = np.where(ok[:, :, None], np.pad(s_new[:, :2], [(0, 0), (0, max(0, 2 - L)), (0, 0)]), 0.0)
+  summ = ref_ln(br.s_norm, np.concatenate([s_cls, ref_pma(br.pma, s_new, valid), rec], 1))
+  summ[:, 6:] = np.where(ok[:, :, None], summ[:, 6:], 0.0)
+  return s_new, ref_gating(br.s_gate, summ)
+
+
+def ref_block(blk, x, streams):
+  """Float64 reference of InterFormerBlock: X_sum once, one branch per stream, interaction."""
+  x = np.asarray(x, np.float64)
+  x_sum = ref_x_summary(blk, x)
+  outs = [ref_branch(br, x_sum, *st) for br, st in zip(blk.branches, streams)]
+  s_sum = np.concatenate([o[1] for o in outs], 1)
   x_new = ref_mixer(blk.interaction, np.concatenate([x, s_sum], 1))[:, :N_X]
-  return x_new, s_new, x_sum, s_sum
+  return x_new, [o[0] for o in outs], x_sum, s_sum
 
 
 def _inputs(seed=0):
@@ -69,10 +82,12 @@ def _inputs(seed=0):
   return x, s, valid, dt
 
 
-def _block(n_out=N_X + N_S, seed=0, **kw):
-  mixer = TokenMixer(N_X + N_S, n_out, nnx.Rngs(seed + 1))
+def _block(n_out=None, seed=0, num_streams=1, **kw):
+  n_in = N_X + num_streams * N_S
+  mixer = TokenMixer(n_in, n_out or n_in, nnx.Rngs(seed + 1))
   kw = dict(dict(mask="causal", rope=True, time_buckets=10), **kw)
-  return InterFormerBlock(D, N_X, H, interaction=mixer, rngs=nnx.Rngs(seed), **kw)
+  return InterFormerBlock(D, N_X, H, interaction=mixer, rngs=nnx.Rngs(seed),
+                          num_streams=num_streams, **kw)
 
 
 def test_gating_matches_reference():
@@ -116,9 +131,9 @@ def test_interformer_matches_reference(block_and_fn):
   x, s, valid, dt = _inputs()
   out = fn(x, s, valid, dt)
   assert [o.shape for o in out] == [(3, N_X, D), (3, 10, D), (3, 4, D), (3, N_S, D)]
-  refs = ref_block(blk, x, s, valid, dt)
+  x_ref, (s_ref,), xs_ref, ss_ref = ref_block(blk, x, [(s, valid, dt)])
   v = np.asarray(valid)
-  for i, (got, ref) in enumerate(zip(out, refs)):
+  for i, (got, ref) in enumerate(zip(out, (x_ref, s_ref, xs_ref, ss_ref))):
     got = np.asarray(got)
     if i == 1:  # s': only valid events are defined
       got, ref = got[v], ref[v]
@@ -139,6 +154,76 @@ def test_interformer_padding_invariance(block_and_fn):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6, err_msg=f"output {i}")
 
 
+def _two_streams(seed=0):
+  """Stream 0: (3, 10) events of lengths (7, 10, 0); stream 1: (3, 6) of lengths (2, 6, 4)."""
+  x, s0, v0, dt0 = _inputs(seed)
+  s1, v1, dt1 = inputs(seed=seed + 7, n=6, lengths=(2, 6, 4))
+  return x, [(s0, v0, dt0), (s1, v1, dt1)]
+
+
+@pytest.fixture(scope="module")
+def multi_block_and_fn():
+  """A 2-stream block (separate branch weights) through a plain jax.jit."""
+  blk = randomize_params(_block(num_streams=2, seed=4))
+  graphdef, state = nnx.split(blk)
+
+  @jax.jit
+  def fn(state, x, streams):
+    return nnx.merge(graphdef, state)(x, streams=streams)
+
+  return blk, lambda *a: fn(state, *a)
+
+
+def test_multi_stream_matches_per_stream_reference(multi_block_and_fn):
+  """Each stream through its own branch (float64 reference per stream), S_sum concatenated."""
+  blk, fn = multi_block_and_fn
+  x, streams = _two_streams()
+  x_new, seqs, x_sum, s_sum = fn(x, streams)
+  assert x_new.shape == (3, N_X, D) and x_sum.shape == (3, 4, D)
+  assert [q.shape for q in seqs] == [(3, 10, D), (3, 6, D)] and s_sum.shape == (3, 2 * N_S, D)
+  x_ref, s_refs, xs_ref, ss_ref = ref_block(blk, x, streams)
+  for got, ref, (_, v, _) in zip(seqs, s_refs, streams):
+    v = np.asarray(v)
+    np.testing.assert_allclose(np.asarray(got)[v], ref[v], rtol=2e-5, atol=2e-5)
+  for got, ref in ((x_new, x_ref), (x_sum, xs_ref), (s_sum, ss_ref)):
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
+  # the branches have separate weights
+  assert not np.allclose(np_(blk.branches[0].attn.qkv.kernel), np_(blk.branches[1].attn.qkv.kernel))
+
+
+def test_multi_stream_streams_are_independent(multi_block_and_fn):
+  """New valid events in stream 1 leave stream 0's S' and S_sum,0 bit-identical."""
+  _, fn = multi_block_and_fn
+  x, streams = _two_streams()
+  out = fn(x, streams)
+  s1, v1, dt1 = streams[1]
+  other = jax.random.normal(jax.random.key(99), s1.shape)
+  changed = [streams[0], (jnp.where(v1[..., None], other, s1), v1, dt1 * 3.0)]
+  out2 = fn(x, changed)
+  v0 = np.asarray(streams[0][1])
+  np.testing.assert_array_equal(np.asarray(out2[1][0])[v0], np.asarray(out[1][0])[v0])
+  np.testing.assert_array_equal(np.asarray(out2[3][:, :N_S]), np.asarray(out[3][:, :N_S]))
+  np.testing.assert_array_equal(np.asarray(out2[2]), np.asarray(out[2]))  # X_sum: from X only
+  # ...while stream 1's own outputs, S_sum,1 and the interaction output X' do change
+  v1 = np.asarray(v1)
+  assert np.max(np.abs(np.asarray(out2[1][1])[v1] - np.asarray(out[1][1])[v1])) > 1e-3
+  assert np.max(np.abs(np.asarray(out2[3][:, N_S:]) - np.asarray(out[3][:, N_S:]))) > 1e-3
+  assert np.max(np.abs(np.asarray(out2[0]) - np.asarray(out[0]))) > 1e-4
+
+
+def test_multi_stream_padding_invariance(multi_block_and_fn):
+  _, fn = multi_block_and_fn
+  x, streams = _two_streams()
+  out = fn(x, streams)
+  scrambled = [(*scramble_padding(v, s, dt, seed=3 + i),) for i, (s, v, dt) in enumerate(streams)]
+  out2 = fn(x, [(s, v, dt) for (s, dt), (_, v, _) in zip(scrambled, streams)])
+  for a, b, (_, v, _) in zip(out[1], out2[1], streams):
+    v = np.asarray(v)
+    np.testing.assert_allclose(np.asarray(b)[v], np.asarray(a)[v], rtol=0, atol=1e-6)
+  for i in (0, 2, 3):
+    np.testing.assert_allclose(np.asarray(out2[i]), np.asarray(out[i]), rtol=0, atol=1e-6)
+
+
 def test_interformer_bf16_grads_and_n_token_interaction():
   """bf16 compute / fp32 params, finite grads, an interaction that returns n tokens, remat."""
   blk = _block(n_out=N_X, seed=3, score="silu", mask="block_local", block_size=4,
@@ -154,13 +239,14 @@ def test_interformer_bf16_grads_and_n_token_interaction():
   assert all(o.dtype == jnp.bfloat16 for o in outs)
   leaves = jax.tree.leaves(grads)
   assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all()) for g in leaves)
-  for g in (grads.cls, grads.x_mix, grads.pma.seeds, grads.attn.time_bias, grads.pffn.w_k.kernel,
+  br = grads.branches[0]
+  for g in (br.cls, grads.x_mix, br.pma.seeds, br.attn.time_bias, br.pffn.w_k.kernel,
             grads.interaction.w_t):
     assert float(jnp.abs(g[...]).sum()) > 0
   assert blk.x_fc1.kernel.get_metadata()["logical_axes"] == ("embed", "mlp")
 
 
-def test_interformer_rejects_bad_interaction():
+def test_interformer_rejects_bad_interaction_and_streams():
   blk = _block(n_out=3)
   x, s, valid, dt = _inputs()
   graphdef, state = nnx.split(blk)
@@ -168,6 +254,11 @@ def test_interformer_rejects_bad_interaction():
     jax.eval_shape(lambda st: nnx.merge(graphdef, st)(x, s, valid, dt), state)
   with pytest.raises(ValueError, match="needs dt"):
     blk(x, s, valid)
+  two = _block(num_streams=2)
+  with pytest.raises(ValueError, match="got 1 streams, the block has 2"):
+    two(x, s, valid, dt)  # the single-stream form needs a 1-stream block
+  with pytest.raises(ValueError, match="not both"):
+    two(x, s, valid, dt, streams=[(s, valid, dt)] * 2)
 
 
 class Identity(nnx.Module):
@@ -187,3 +278,14 @@ def test_interformer_flops_match_xla():
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   want = interformer_flops(n, L, d)
   assert abs(cost["flops"] / want - 1) < 0.10, (cost["flops"], want)
+
+
+def test_interformer_flops_per_stream():
+  """X_sum counted once, one branch per stream (exact formula)."""
+  n, d = 8, 16
+  x_part = 2 * 4 * n * d + 4 * 4 * d * d + 4 * 4 * d * d
+  b = [sequence_branch_flops(L, d) for L in (10, 3)]
+  assert interformer_flops(n, 10, d) == x_part + b[0]
+  assert interformer_flops(n, [10, 3], d) == x_part + b[0] + b[1]
+  assert b[1] == (4 * 4 * d * d + 4 * 3 * 4 * d + 8 * 7 * d * d + 4 * 7 * 7 * d
+                  + (4 * 2 * d * d + 4 * 3 * d * d + 4 * 2 * 3 * d) + 4 * 8 * d * d)

@@ -1,22 +1,27 @@
-"""InterFormer block: interleaved non-sequence / sequence learning (GEM.md §3.3, IF paper).
+"""InterFormer block: interleaved non-sequence / sequence learning (GEM.md §3.2-3.3, IF paper).
 
-Shapes: X (B, n, D) non-sequence tokens, S (B, L, D) event sequence (newest
-first, `valid` (B, L)), D = d_model. What this module implements exactly:
+Shapes: X (B, n, D) non-sequence tokens; K event streams, stream i is
+S_i (B, L_i, D) (newest first, `valid_i` (B, L_i), `dt_i` (B, L_i));
+D = d_model. Each stream has its own parallel branch (`SequenceBranch`,
+separate weights): streams never attend to each other, masks (causal,
+block-local) and the recent tokens are per stream, and each stream keeps its
+own length. What this module implements exactly:
 
 Cross arch (summaries):
   X_sum = Gating(MLP(X))                                        (B, m, D)
     MLP(X) = gelu(Z W_1 + b_1) W_2 + b_2,  Z = W_t X  (W_t: (m, n) mixes tokens,
     W_1, W_2: (D, D) per token); m = num_x_summary.
-  S_sum = Gating(LN([S_CLS ; S_PMA ; S_recent]))                (B, c + p + r, D)
-    S_CLS: the outputs at c learned CLS tokens prepended to the sequence in
-    this block's attention; S_PMA = PMA(S', p seeds); S_recent = the r newest
-    tokens of S' (0 where invalid). Defaults c = 4, p = 2, r = 2.
+  S_sum = [S_sum,1 ; ... ; S_sum,K]                             (B, K (c + p + r), D)
+  S_sum,i = Gating_i(LN_i([S_CLS,i ; S_PMA,i ; S_recent,i]))    (B, c + p + r, D)
+    S_CLS,i: the outputs at c learned CLS tokens prepended to stream i in
+    its branch's attention; S_PMA,i = PMA_i(S'_i, p seeds); S_recent,i = the
+    r newest tokens of S'_i (0 where invalid). Defaults c = 4, p = 2, r = 2.
   Gating(x) = sigmoid(x * MLP_g(x)) * x, MLP_g(x) = gelu(x W_a + b_a) W_b + b_b
     per token (W_a: (D, h), W_b: (h, D), h = D by default).
-Sequence arch:
-  U  = PFFN(X_sum, S)
-  [S_CLS ; S'] = [C ; U] + Attention(LN([C ; U]), [1 ; valid], [0 ; dt])
-    (C: the learned CLS tokens, dt = 0 "now"; any score/mask/RoPE/time-bias
+Sequence arch (per stream i, branch weights _i):
+  U_i = PFFN_i(X_sum, S_i)
+  [S_CLS,i ; S'_i] = [C_i ; U_i] + Attention_i(LN_i([C_i ; U_i]), [1 ; valid_i], [0 ; dt_i])
+    (C_i: the learned CLS tokens, dt = 0 "now"; any score/mask/RoPE/time-bias
     variant of `Attention`). For mask='causal' with newest-first order the
     CLS tokens see every event and no event sees them; for 'block_local' they
     sit in the first block.
@@ -26,21 +31,24 @@ Sequence arch:
     i.e. the "(X_sum W) S" modulation of GEM.md §3.3.
 Interaction arch:
   X' = interaction([X ; S_sum])  (the injected module, e.g. a Wukong layer,
-    maps (B, n + c + p + r, D) to (B, n, D) or to (B, n + c + p + r, D), of
-    which the first n tokens are kept).
-Schedule: S_sum is taken from this block's updated sequence S' (so the CLS
+    maps (B, n + K (c + p + r), D) to (B, n, D) or to (B, n + K (c + p + r), D),
+    of which the first n tokens are kept).
+Schedule: S_sum is taken from this block's updated sequences S'_i (so the CLS
 outputs need no extra state between blocks); X_sum from the block's input X.
-Returns (X', S', X_sum, S_sum); the model's output head uses
-MLP([X_sum ; S_sum]) of the last block (assembled by the caller).
+Returns (X', [S'_1..S'_K], X_sum, S_sum) (single-stream form: (X', S', X_sum,
+S_sum)); the model's output head uses MLP([X_sum ; S_sum]) of the last block
+(assembled by the caller). Branches run as a Python loop (K is small, lengths
+may differ).
 
-Padded events never change any output. Precision as in `Dense`; norms, sigmoid
-and gelu in fp32 / dtype as in the other layers; outputs in `dtype`.
+Padded events never change any output; a stream's events never change another
+stream's S'. Precision as in `Dense`; norms, sigmoid and gelu in fp32 / dtype
+as in the other layers; outputs in `dtype`.
 FLOPs: `interformer_flops` (the injected interaction module is not included).
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,62 +114,62 @@ class PFFN(nnx.Module):
     return s.astype(self.dtype) + y.astype(self.dtype)
 
 
-def interformer_flops(n: int, L: int, d_model: int, *, num_x_summary: int = 4,
-                      num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
-                      mask: str = "full", block_size: int = 64,
-                      gating_hidden: int | None = None) -> int:
-  """Forward FLOPs of one InterFormerBlock, excluding the injected interaction module.
+def sequence_branch_flops(L: int, d_model: int, *, num_x_summary: int = 4, num_cls: int = 4,
+                          num_pma: int = 2, num_recent: int = 2, mask: str = "full",
+                          block_size: int = 64, gating_hidden: int | None = None) -> int:
+  """Forward FLOPs of one SequenceBranch on a stream of L events.
 
-  X_sum: 2 m n D (token mix) + 4 m D^2 (MLP) + 4 m D h (gating);
   PFFN: 4 m D^2 + 4 L m D; attention over c + L tokens; PMA over L tokens;
   S_sum gating: 4 (c + p + r) D h.
   """
   D, m = d_model, num_x_summary
   h = gating_hidden or D
   n_s = num_cls + num_pma + num_recent
-  return (2 * m * n * D + 4 * m * D * D + 4 * m * D * h
-          + 4 * m * D * D + 4 * L * m * D
+  return (4 * m * D * D + 4 * L * m * D
           + attention_flops(num_cls + L, D, mask=mask, block_size=block_size)
-          + pma_flops(L, num_pma, D)
+          + (pma_flops(L, num_pma, D) if num_pma else 0)
           + 4 * n_s * D * h)
 
 
-class InterFormerBlock(nnx.Module):
-  """One InterFormer block (see the module docstring for the exact equations).
+def interformer_flops(n: int, L: int | Sequence[int], d_model: int, *, num_x_summary: int = 4,
+                      num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
+                      mask: str = "full", block_size: int = 64,
+                      gating_hidden: int | None = None) -> int:
+  """Forward FLOPs of one InterFormerBlock, excluding the injected interaction module.
 
-  Args:
-    d_model: D.  n_tokens: n, the number of non-sequence tokens X.
-    num_heads: heads of the sequence attention and the PMA.
-    interaction: an nnx.Module mapping (B, n + c + p + r, D) to (B, n, D) or
-      (B, n + c + p + r, D) (e.g. a Wukong layer); owned by this block.
-    num_cls, num_pma, num_recent: c, p, r of S_sum.  num_x_summary: m of X_sum.
-    score, mask, block_size, rope, time_buckets, qk_norm, recent_first: the
-      sequence attention (`Attention`).
-    gating_hidden: hidden width of the Gating MLPs (default D).
-    dtype, param_dtype, fp8: precision policy.  remat: checkpointing of the
-      sequence arch (None, 'full', 'dots').
+  L: the stream length, or one length per stream (one branch each).
+  X_sum: 2 m n D (token mix) + 4 m D^2 (MLP) + 4 m D h (gating), once;
+  plus sum_i sequence_branch_flops(L_i).
+  """
+  D, m = d_model, num_x_summary
+  h = gating_hidden or D
+  lengths = [L] if isinstance(L, int) else list(L)
+  return (2 * m * n * D + 4 * m * D * D + 4 * m * D * h
+          + sum(sequence_branch_flops(l, D, num_x_summary=m, num_cls=num_cls, num_pma=num_pma,
+                                      num_recent=num_recent, mask=mask, block_size=block_size,
+                                      gating_hidden=gating_hidden) for l in lengths))
 
-  Call: (x (B, n, D), s (B, L, D), valid bool (B, L), dt (B, L) or None)
-  -> (x' (B, n, D), s' (B, L, D), x_sum (B, m, D), s_sum (B, c + p + r, D)).
+
+class SequenceBranch(nnx.Module):
+  """One stream's sequence arch and its summary S_sum,i (module docstring, per stream i).
+
+  Args: as `InterFormerBlock` (the sequence-side ones).
+
+  Call: (x_sum (B, m, D), s (B, L, D), valid bool (B, L), dt (B, L) or None)
+  -> (s' (B, L, D), s_sum (B, c + p + r, D)).
   """
 
-  def __init__(self, d_model: int, n_tokens: int, num_heads: int, *, interaction: nnx.Module,
-               rngs: nnx.Rngs, num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
-               num_x_summary: int = 4, score: str = "softmax", mask: str = "full",
-               block_size: int = 64, rope: bool = False, time_buckets: int = 0,
-               qk_norm: bool = True, recent_first: bool = True, gating_hidden: int | None = None,
+  def __init__(self, d_model: int, num_heads: int, num_x_summary: int, *, rngs: nnx.Rngs,
+               num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
+               score: str = "softmax", mask: str = "full", block_size: int = 64,
+               rope: bool = False, time_buckets: int = 0, qk_norm: bool = True,
+               recent_first: bool = True, gating_hidden: int | None = None,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
                remat: str | None = None):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.n_tokens, self.num_cls, self.num_recent = n_tokens, num_cls, num_recent
-    self.time_buckets, self.dtype, self.remat = time_buckets, dtype, remat
+    self.num_cls, self.num_recent = num_cls, num_recent
     self.n_s_summary = num_cls + num_pma + num_recent
-    # Cross arch, non-sequence summary.
-    self.x_mix = param(rngs, nnx.initializers.lecun_normal(), (n_tokens, num_x_summary),
-                       param_dtype, (None, None))
-    self.x_fc1 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("embed", "mlp"), **kw)
-    self.x_fc2 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("mlp", "embed"), **kw)
-    self.x_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
+    self.dtype, self.remat = dtype, remat
     # Sequence arch.
     self.pffn = PFFN(d_model, num_x_summary, fp8=fp8, **kw)
     self.cls = (param(rngs, nnx.initializers.normal(0.02), (num_cls, d_model), param_dtype,
@@ -170,28 +178,19 @@ class InterFormerBlock(nnx.Module):
     self.attn = Attention(d_model, num_heads, score=score, qk_norm=qk_norm, rope=rope,
                           time_buckets=time_buckets, mask=mask, block_size=block_size,
                           recent_first=recent_first, fp8=fp8, **kw)
-    # Cross arch, sequence summary.
+    # Cross arch, this stream's summary.
     self.pma = PMA(d_model, num_pma, num_heads, score=score, qk_norm=qk_norm, fp8=fp8,
                    **kw) if num_pma else None
     self.s_norm = LayerNorm(d_model, **kw)
     self.s_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
-    # Interaction arch.
-    self.interaction = interaction
 
-  def x_summary(self, x: jax.Array) -> jax.Array:
-    """X_sum = Gating(MLP(X)): (B, n, D) -> (B, m, D)."""
-    # 'bnd,nm->bdm' then a transpose: XLA:CPU has no bf16 x bf16 -> f32 kernel for the
-    # non-canonical 'bnd,nm->bmd' layout.
-    z = jnp.einsum("bnd,nm->bdm", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
-                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, D, m)
-    z = jnp.swapaxes(z, 1, 2)  # (B, m, D)
-    z = self.x_fc2(jax.nn.gelu(self.x_fc1(z)))  # (B, m, D)
-    return self.x_gate(z)  # (B, m, D)
+  def sequence(self, x_sum, s, valid, dt):
+    """[S_CLS ; S'] = [C ; U] + Attention(LN([C ; U])), U = PFFN(X_sum, S).
 
-  def _sequence_arch(self, x_sum, s, valid, dt):
-    """Returns (S_CLS (B, c, D), S' (B, L, D))."""
+    Returns (S_CLS (B, c, D), S' (B, L, D)).
+    """
     B, L, D = s.shape
-    u = self.pffn(x_sum, s)  # (B, L, D)
+    u = self.pffn(x_sum, s.astype(self.dtype))  # (B, L, D)
     c = self.num_cls
     if c:
       cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (B, c, D))
@@ -202,8 +201,8 @@ class InterFormerBlock(nnx.Module):
     u = u + self.attn(self.attn_norm(u), valid, dt)  # (B, c + L, D)
     return u[:, :c], u[:, c:]
 
-  def s_summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
-    """S_sum = Gating(LN([S_CLS ; PMA(S) ; S_recent])) -> (B, c + p + r, D)."""
+  def summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
+    """S_sum,i = Gating(LN([S_CLS ; PMA(S) ; S_recent])) -> (B, c + p + r, D)."""
     B, L, D = s.shape
     parts = [s_cls]  # (B, c, D)
     if self.pma is not None:
@@ -222,18 +221,99 @@ class InterFormerBlock(nnx.Module):
       summary = jnp.where(ok_all[:, :, None], summary, jnp.zeros((), summary.dtype))
     return self.s_gate(summary)  # (B, c + p + r, D)
 
-  def __call__(self, x: jax.Array, s: jax.Array, valid: jax.Array,
+  def __call__(self, x_sum: jax.Array, s: jax.Array, valid: jax.Array,
                dt: jax.Array | None = None):
+    s_cls, s_new = remat_call(type(self).sequence, self.remat, self, x_sum, s, valid,
+                              dt)  # (B, c, D), (B, L, D)
+    return s_new, self.summary(s_cls, s_new, valid)  # (B, L, D), (B, c + p + r, D)
+
+
+class InterFormerBlock(nnx.Module):
+  """One InterFormer block over K parallel stream branches (module docstring).
+
+  Args:
+    d_model: D.  n_tokens: n, the number of non-sequence tokens X.
+    num_heads: heads of the sequence attention and the PMA.
+    interaction: an nnx.Module mapping (B, n + K (c + p + r), D) to (B, n, D) or
+      (B, n + K (c + p + r), D) (e.g. a Wukong layer); owned by this block.
+    num_streams: K, one `SequenceBranch` (separate weights) per event stream.
+    num_cls, num_pma, num_recent: c, p, r of each S_sum,i.  num_x_summary: m of X_sum.
+    score, mask, block_size, rope, time_buckets, qk_norm, recent_first: the
+      sequence attention (`Attention`), the same for every branch.
+    gating_hidden: hidden width of the Gating MLPs (default D).
+    dtype, param_dtype, fp8: precision policy.  remat: checkpointing of each
+      branch's sequence arch (None, 'full', 'dots').
+
+  Call, multi-stream: (x (B, n, D), *, streams=[(s_i (B, L_i, D), valid_i bool
+  (B, L_i), dt_i (B, L_i) or None)] * K)
+  -> (x' (B, n, D), [s'_i (B, L_i, D)] * K, x_sum (B, m, D), s_sum (B, K (c + p + r), D)).
+  Call, single-stream (K = 1): (x, s (B, L, D), valid (B, L), dt (B, L) or None)
+  -> (x', s' (B, L, D), x_sum, s_sum (B, c + p + r, D)).
+  """
+
+  def __init__(self, d_model: int, n_tokens: int, num_heads: int, *, interaction: nnx.Module,
+               rngs: nnx.Rngs, num_streams: int = 1, num_cls: int = 4, num_pma: int = 2,
+               num_recent: int = 2, num_x_summary: int = 4, score: str = "softmax",
+               mask: str = "full", block_size: int = 64, rope: bool = False,
+               time_buckets: int = 0, qk_norm: bool = True, recent_first: bool = True,
+               gating_hidden: int | None = None, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False, remat: str | None = None):
+    if num_streams < 1:
+      raise ValueError(f"num_streams={num_streams}: need at least one stream")
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.n_tokens, self.num_streams = n_tokens, num_streams
+    self.time_buckets, self.dtype = time_buckets, dtype
+    self.n_s_summary = num_streams * (num_cls + num_pma + num_recent)
+    # Cross arch, non-sequence summary.
+    self.x_mix = param(rngs, nnx.initializers.lecun_normal(), (n_tokens, num_x_summary),
+                       param_dtype, (None, None))
+    self.x_fc1 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("embed", "mlp"), **kw)
+    self.x_fc2 = Dense(d_model, d_model, fp8=fp8, kernel_axes=("mlp", "embed"), **kw)
+    self.x_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
+    # Sequence arch and sequence summaries: one parallel branch per stream.
+    self.branches = nnx.List([
+        SequenceBranch(d_model, num_heads, num_x_summary, num_cls=num_cls, num_pma=num_pma,
+                       num_recent=num_recent, score=score, mask=mask, block_size=block_size,
+                       rope=rope, time_buckets=time_buckets, qk_norm=qk_norm,
+                       recent_first=recent_first, gating_hidden=gating_hidden, fp8=fp8,
+                       remat=remat, **kw)
+        for _ in range(num_streams)])
+    # Interaction arch.
+    self.interaction = interaction
+
+  def x_summary(self, x: jax.Array) -> jax.Array:
+    """X_sum = Gating(MLP(X)): (B, n, D) -> (B, m, D)."""
+    # 'bnd,nm->bdm' then a transpose: XLA:CPU has no bf16 x bf16 -> f32 kernel for the
+    # non-canonical 'bnd,nm->bmd' layout.
+    z = jnp.einsum("bnd,nm->bdm", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
+                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, D, m)
+    z = jnp.swapaxes(z, 1, 2)  # (B, m, D)
+    z = self.x_fc2(jax.nn.gelu(self.x_fc1(z)))  # (B, m, D)
+    return self.x_gate(z)  # (B, m, D)
+
+  def __call__(self, x: jax.Array, s: jax.Array | None = None, valid: jax.Array | None = None,
+               dt: jax.Array | None = None, *, streams: Sequence[tuple] | None = None):
+    single = streams is None
+    if single:
+      if s is None or valid is None:
+        raise ValueError("pass (s, valid[, dt]) or streams=[(s, valid, dt), ...]")
+      streams = [(s, valid, dt)]
+    elif s is not None:
+      raise ValueError("pass either (s, valid, dt) or streams, not both")
+    if len(streams) != self.num_streams:
+      raise ValueError(f"got {len(streams)} streams, the block has {self.num_streams} branches")
     if x.shape[1] != self.n_tokens:
       raise ValueError(f"x has {x.shape[1]} tokens, expected {self.n_tokens}")
-    if self.time_buckets and dt is None:
-      raise ValueError("time_buckets > 0 needs dt (B, L)")
+    if self.time_buckets and any(st[2] is None for st in streams):
+      raise ValueError("time_buckets > 0 needs dt (B, L) for every stream")
     x_sum = self.x_summary(x)  # (B, m, D)
-    s_cls, s_new = remat_call(type(self)._sequence_arch, self.remat, self, x_sum,
-                              s.astype(self.dtype), valid, dt)  # (B, c, D), (B, L, D)
-    s_sum = self.s_summary(s_cls, s_new, valid)  # (B, c + p + r, D)
+    outs = [branch(x_sum, s_i, v_i, dt_i)
+            for branch, (s_i, v_i, dt_i) in zip(self.branches, streams)]
+    s_new = [o[0] for o in outs]  # K x (B, L_i, D)
+    s_sum = jnp.concatenate([o[1] for o in outs], axis=1)  # (B, K (c + p + r), D)
     z = self.interaction(jnp.concatenate([x.astype(self.dtype), s_sum], axis=1))
     if z.shape[1] not in (self.n_tokens, self.n_tokens + self.n_s_summary):
       raise ValueError(f"interaction returned {z.shape[1]} tokens; expected {self.n_tokens} "
                        f"or {self.n_tokens + self.n_s_summary}")
-    return z[:, :self.n_tokens].astype(self.dtype), s_new, x_sum, s_sum
+    x_new = z[:, :self.n_tokens].astype(self.dtype)  # (B, n, D)
+    return x_new, (s_new[0] if single else s_new), x_sum, s_sum

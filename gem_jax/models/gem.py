@@ -1,27 +1,30 @@
-"""GEM: front end -> interleaved InterFormer blocks (Wukong interaction, pyramid sequences)
--> target-aware cross attention -> trunk -> multi-domain multi-task heads.
+"""GEM: front end -> interleaved InterFormer blocks (Wukong interaction, pyramid-parallel
+stream branches) -> target-aware cross attention -> trunk -> multi-domain multi-task heads.
 
-Data flow (B batch, d = cfg.d_model, n = n_F + n_L, c/p/r = CLS/PMA/recent summary
-tokens, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagram):
+Data flow (B batch, d = cfg.d_model, n = n_F + n_L, K event streams (K = 1 with one
+invalid event when the spec has none), c/p/r = CLS/PMA/recent summary tokens per
+stream, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagram):
 
   dense (B, n_dense)        -> DenseTokenizer                    -> (B, n_dt, d)
   sparse {f: (B, D_f)}      -> SparseProjector                   -> (B, n_sp, d)
   domain (B,)               -> E_dom[domain]                     -> (B, 1, d)
   X0 = W_in [dense; sparse; domain tokens]  (token mix n0 -> n)  -> (B, n, d)
-  stream i: items/action/surface/dt/mask -> SequenceEmbedder + E_stream[i] -> (B, L_i, d)
-  S = concat_i(stream_i) along events, valid = concat_i(mask_i)  -> (B, sum L_i, d)
+  stream i: items/action/surface/dt/mask -> SequenceEmbedder_i + E_stream[i] -> S_i (B, L_i, d)
   for block l = 0..N-1:
-    S, valid, dt <- per-stream keep the ceil(pyramid[l] L_i) newest events  (pyramid)
+    S_i, valid_i, dt_i <- keep the L_i^l = ceil(pyramid[l] L_i) newest events  (pyramid)
     X_in = X (l = 0) or CrossLayerAttention(X_0..X_l)                      (optional)
-    X, S, X_sum, S_sum = InterFormerBlock_l(X_in, S, valid, dt)
-      interaction = WukongLayer(n + c + p + r -> n)
-  T  = CrossAttention(W_q X (B, Q, d) -> S)                     target-aware  (B, Q, d)
-  seq_summary = flatten([S_sum; T])                              (B, (c + p + r + Q) d)
-  trunk = MLP(flatten([X; X_sum; S_sum; T]))                     (B, H)
+    X, [S_i], X_sum, S_sum = InterFormerBlock_l(X_in, streams=[(S_i, valid_i, dt_i)])
+      one parallel branch per stream (own weights): S_i only attends within stream i
+      S_sum = [S_sum,1; ..; S_sum,K]                            (B, K (c + p + r), d)
+      interaction = WukongLayer(n + K (c + p + r) -> n)
+  T_i = CrossAttention_i(W_q X (B, Q, d) -> S_i)                 target-aware  (B, Q, d)
+  seq_summary = flatten([S_sum; T_1; ..; T_K])                   (B, K (c + p + r + Q) d)
+  trunk = MLP(flatten([X; X_sum; S_sum; T_1..T_K]))              (B, H)
   logits = MultiTaskHeads(trunk, domain)                         (B, n_tasks) fp32
 
-Streams share one sequence tensor (each keeps its own pyramid lengths and a learned
-stream embedding), so one InterFormer sequence arch models all streams jointly.
+Streams are the parallel branches of the pyramid-parallel stack (GEM.md §3.2): every
+stream keeps its own length schedule and its own sequence weights in every block; the
+streams meet only in S_sum (the Wukong interaction and the trunk) and in the trunk via T_i.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ class GEM(nnx.Module):
   """The GEM model (module docstring). Built from (cfg, spec, feature_dims) only.
 
   Call: (inputs, return_aux=False) -> logits (B, n_tasks) fp32, or (logits, aux) with
-  aux = {'trunk' (B, H), 'seq_summary' (B, (c+p+r+Q) d), 'x' (B, n, d)}.
+  aux = {'trunk' (B, H), 'seq_summary' (B, K (c+p+r+Q) d), 'x' (B, n, d)}.
   """
 
   def __init__(self, cfg: GEMConfig, spec: DataSpec, feature_dims: Mapping[str, int], *,
@@ -77,7 +80,8 @@ class GEM(nnx.Module):
     self.lengths = tuple(pyramid_lengths(cfg, s.max_len) for s in spec.sequences)
     n0, n = front_tokens(cfg, spec), cfg.n_interaction
     self.n_tokens = n
-    self.n_summary = cfg.num_cls + cfg.num_pma + cfg.num_recent
+    self.num_branches = k = max(len(self.streams), 1)  # no streams: one dummy branch
+    self.n_summary = cfg.num_cls + cfg.num_pma + cfg.num_recent  # per stream
     emb = nnx.initializers.normal(1.0 / math.sqrt(d))
     # Front end.
     self.dense_tok = DenseTokenizer(spec.n_dense, cfg.n_dense_tokens, d, cfg.dense_hidden,
@@ -98,11 +102,11 @@ class GEM(nnx.Module):
     # Interleaved blocks.
     blocks = []
     for _ in range(cfg.num_blocks):
-      wukong = WukongLayer(n + self.n_summary, d, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
+      wukong = WukongLayer(n + k * self.n_summary, d, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
                            k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp, rngs=rngs, fp8=cfg.fp8,
                            remat=cfg.remat, **prec)
       blocks.append(InterFormerBlock(
-          d, n, cfg.num_heads, interaction=wukong, rngs=rngs, num_cls=cfg.num_cls,
+          d, n, cfg.num_heads, interaction=wukong, rngs=rngs, num_streams=k, num_cls=cfg.num_cls,
           num_pma=cfg.num_pma, num_recent=cfg.num_recent, num_x_summary=cfg.num_x_summary,
           score=cfg.attn_score, mask=cfg.attn_mask, block_size=cfg.block_size, rope=cfg.rope,
           time_buckets=cfg.time_buckets, fp8=cfg.fp8, remat=cfg.remat, **prec))
@@ -112,9 +116,10 @@ class GEM(nnx.Module):
     # Target-aware cross attention, trunk and heads.
     self.query_mix = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n)),
                            (cfg.num_queries, n), cfg.params_dtype, (None, "tokens"))
-    self.target_attn = CrossAttention(d, cfg.num_heads, score=cfg.attn_score, rngs=rngs,
-                                      fp8=cfg.fp8, **prec)
-    trunk_in = (n + cfg.num_x_summary + self.n_summary + cfg.num_queries) * d
+    self.target_attn = nnx.List([
+        CrossAttention(d, cfg.num_heads, score=cfg.attn_score, rngs=rngs, fp8=cfg.fp8, **prec)
+        for _ in range(k)])
+    trunk_in = (n + cfg.num_x_summary + k * (self.n_summary + cfg.num_queries)) * d
     self.trunk = MLP(trunk_in, cfg.trunk_hidden, rngs=rngs, final_activation="relu",
                      fp8=cfg.fp8, in_axis="mlp", out_axis="mlp", **prec)
     self.heads = MultiTaskHeads(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
@@ -135,7 +140,10 @@ class GEM(nnx.Module):
                       preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n, d)
 
   def sequences(self, inputs: Mapping[str, Any], batch: int):
-    """Per stream (x (B, L_i, d), valid (B, L_i), dt (B, L_i)), stream embedding added."""
+    """Per stream (x (B, L_i, d), valid (B, L_i), dt (B, L_i)), stream embedding added.
+
+    No streams in the spec: one stream of a single invalid event (the dummy branch).
+    """
     out = []
     for i, (name, embed) in enumerate(zip(self.streams, self.seq_emb)):
       s = inputs["seq"][name]
@@ -149,36 +157,32 @@ class GEM(nnx.Module):
                   jnp.zeros((batch, 1), jnp.float32)))
     return out
 
-  def _block_sequence(self, streams, l: int):
-    """Keep each stream's newest pyramid-length events for block l; concat along events."""
-    parts = []
+  def _crop(self, streams, l: int):
+    """Each stream keeps its newest pyramid-length events for block l."""
+    out = []
     for i, (x, valid, dt) in enumerate(streams):
       keep = self.lengths[i][l] if self.lengths else 1
-      parts.append((x[:, :keep], valid[:, :keep], dt[:, :keep]))
-    return parts
+      out.append((x[:, :keep], valid[:, :keep], dt[:, :keep]))  # (B, L_i^l, d), ...
+    return out
 
   def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
     b = inputs["dense"].shape[0]
     x = self.tokens(inputs)  # (B, n, d)
-    streams = self.sequences(inputs, b)
+    streams = self.sequences(inputs, b)  # K x (S_i (B, L_i, d), valid_i, dt_i)
     history = [x]
     x_sum = s_sum = None
     for l, block in enumerate(self.blocks):
-      parts = self._block_sequence(streams, l)
-      sizes = [p[0].shape[1] for p in parts]
-      s = jnp.concatenate([p[0] for p in parts], axis=1)  # (B, sum L_i^l, d)
-      valid = jnp.concatenate([p[1] for p in parts], axis=1)  # (B, sum L_i^l)
-      dt = jnp.concatenate([p[2] for p in parts], axis=1)
+      streams = self._crop(streams, l)
       x_in = x if (l == 0 or self.cross_layer is None) else self.cross_layer(history, l)
-      x, s, x_sum, s_sum = block(x_in, s, valid, dt)  # (B, n, d), (B, sum L, d), ...
+      x, seqs, x_sum, s_sum = block(x_in, streams=streams)  # (B, n, d), K x (B, L_i^l, d), ..
       history.append(x)
-      offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-      streams = [(s[:, o:o + k], p[1], p[2]) for o, k, p in zip(offsets, sizes, parts)]
+      streams = [(s_i, v_i, dt_i) for s_i, (_, v_i, dt_i) in zip(seqs, streams)]
     q = jnp.einsum("qn,bnd->bqd", self.query_mix[...].astype(self.dtype), x,
                    preferred_element_type=jnp.float32).astype(self.dtype)  # (B, Q, d)
-    target = self.target_attn(q, s, valid)  # (B, Q, d)
-    seq_summary = jnp.concatenate([s_sum, target.astype(self.dtype)], axis=1)  # (B, c+p+r+Q, d)
-    feats = jnp.concatenate([x, x_sum, seq_summary], axis=1)  # (B, n + m + c+p+r+Q, d)
+    targets = [attn(q, s_i, v_i).astype(self.dtype)  # (B, Q, d) per stream
+               for attn, (s_i, v_i, _) in zip(self.target_attn, streams)]
+    seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
+    feats = jnp.concatenate([x, x_sum, seq_summary], axis=1)  # (B, n + m + K (c+p+r+Q), d)
     trunk = self.trunk(feats.reshape(b, -1))  # (B, H)
     logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
     if return_aux:
