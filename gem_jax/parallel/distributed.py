@@ -1,30 +1,237 @@
-"""Multi-process start-up: `maybe_initialize()` before any other JAX call.
+"""Multi-process start-up and cross-process helpers: call `maybe_initialize()` first.
 
-On a cluster each process runs the same command; JAX needs to know the
-coordinator. We call `jax.distributed.initialize()` when either
-  * GEM_JAX_COORDINATOR=host:port, GEM_JAX_NUM_PROCESSES, GEM_JAX_PROCESS_ID are set
-    (explicit, also used by the local multi-process tests), or
-  * a cluster environment JAX detects by itself is present (SLURM, Open MPI,
-    Cloud TPU: `GEM_JAX_DISTRIBUTED=auto`).
-Otherwise the run is single-process and nothing happens.
+On a cluster every process (one per host, or one per GPU) runs the same command
+and JAX's multi-controller runtime (`jax.distributed`) connects them: a
+coordinator (process 0's host:port) hands out the topology, collectives run over
+NCCL on GPUs and gloo on CPU. How a process learns its place, first match wins:
+
+  1. flags `--coordinator_address=host:port --num_processes=N --process_id=i`
+     (or env GEM_JAX_COORDINATOR, GEM_JAX_NUM_PROCESSES, GEM_JAX_PROCESS_ID; the
+     local launcher `scripts/launch_local.sh` and the tests use these);
+  2. `--distributed=auto` (env GEM_JAX_DISTRIBUTED=auto): JAX detects the cluster
+     (SLURM, Open MPI, Cloud TPU, ...); `--distributed=slurm|mpi4py|...` names
+     the detection method;
+  3. nothing: a single-process run; `jax.distributed` is not touched.
+
+Failure detection (`Timeouts`): every process sends heartbeats to the
+coordinator; one that misses them for `heartbeat_timeout_s` is declared dead and
+the runtime terminates the others with a non-zero status. Start-up waits at most
+`initialization_timeout_s` for all processes to connect. Defaults are for
+clusters (minutes); tests set seconds (env GEM_JAX_HEARTBEAT_TIMEOUT_S, ...).
+A hung (not dead) peer is caught by the step watchdog (`gem_jax/train/watchdog.py`).
+
+Logging: once initialised, every log line carries `[process i/N]`, so each
+process's warnings can be told apart in a merged log; metrics are reduced
+inside the jitted step (global arrays) and written by process 0 only.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging as pylogging
 import os
+from typing import Any, Mapping
 
 import jax
+import numpy as np
+from absl import flags
+from absl import logging
+
+_COORD = flags.DEFINE_string("coordinator_address", None,
+                             "host:port of process 0's coordinator (multi-process runs)")
+_NPROC = flags.DEFINE_integer("num_processes", None, "number of processes of the run")
+_PID = flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)")
+_MODE = flags.DEFINE_string(
+    "distributed", None, "'auto' (JAX detects SLURM / Open MPI / Cloud TPU), a detection "
+    "method name ('slurm', 'mpi4py', ...), or 'none'")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", None, "a process silent this long is declared dead and the run "
+    "stops with a non-zero status (default 100)")
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout_s", None, "how long start-up waits for every process (default 300)")
 
 
-def maybe_initialize() -> bool:
-  """Initialises jax.distributed if the environment asks for it; returns whether it did."""
-  coord = os.environ.get("GEM_JAX_COORDINATOR")
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+  """Bounds on waiting for other processes (seconds).
+
+  Attributes:
+    heartbeat_s: a process that sent no heartbeat for this long is dead; the
+      others are stopped (non-zero exit) by the runtime.
+    initialization_s: start-up gives up if not every process connected by then.
+    shutdown_s: how long a finishing process waits for the others at exit.
+  """
+  heartbeat_s: int = 100
+  initialization_s: int = 300
+  shutdown_s: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """How to start `jax.distributed` (None fields: let JAX decide / not used).
+
+  Attributes:
+    mode: 'explicit' (coordinator, num_processes, process_id given), 'auto' or a
+      cluster detection method name, or 'none' (single process).
+  """
+  mode: str = "none"
+  coordinator: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  timeouts: Timeouts = Timeouts()
+
+
+def _flag(holder, env: Mapping[str, str], key: str, cast=str):
+  """A flag's value if flags are parsed and it was given, else env[key] (cast), else None."""
+  if flags.FLAGS.is_parsed() and holder.value is not None:
+    return holder.value
+  return cast(env[key]) if env.get(key) not in (None, "") else None
+
+
+def settings_from_flags_and_env(env: Mapping[str, str] | None = None) -> DistributedSettings:
+  """Resolves `DistributedSettings` from the flags (if parsed) and `env` (default os.environ)."""
+  env = os.environ if env is None else env
+  coord = _flag(_COORD, env, "GEM_JAX_COORDINATOR")
+  nproc = _flag(_NPROC, env, "GEM_JAX_NUM_PROCESSES", int)
+  pid = _flag(_PID, env, "GEM_JAX_PROCESS_ID", int)
+  mode = _flag(_MODE, env, "GEM_JAX_DISTRIBUTED") or "none"
+  d = Timeouts()
+  timeouts = Timeouts(
+      heartbeat_s=_flag(_HEARTBEAT, env, "GEM_JAX_HEARTBEAT_TIMEOUT_S", int) or d.heartbeat_s,
+      initialization_s=(_flag(_INIT_TIMEOUT, env, "GEM_JAX_INIT_TIMEOUT_S", int)
+                        or d.initialization_s),
+      shutdown_s=int(env.get("GEM_JAX_SHUTDOWN_TIMEOUT_S") or d.shutdown_s))
   if coord:
-    if jax.default_backend() == "cpu":
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coord, num_processes=int(os.environ["GEM_JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["GEM_JAX_PROCESS_ID"]))
+    if nproc is None or pid is None:
+      raise ValueError("a coordinator address needs num_processes and process_id too "
+                       "(--num_processes/--process_id or GEM_JAX_NUM_PROCESSES/_PROCESS_ID)")
+    if not 0 <= pid < nproc:
+      raise ValueError(f"process_id {pid} not in [0, {nproc})")
+    return DistributedSettings("explicit", coord, nproc, pid, timeouts)
+  if mode not in ("none", "", "off"):
+    return DistributedSettings(mode, None, nproc, pid, timeouts)
+  return DistributedSettings("none", timeouts=timeouts)
+
+
+def initialize(settings: DistributedSettings) -> bool:
+  """Starts `jax.distributed` as `settings` say; returns whether it did.
+
+  Must run before any other JAX call that touches devices. On CPU the
+  cross-process collectives use gloo.
+  """
+  if settings.mode == "none":
+    return False
+  t = settings.timeouts
+  kw: dict[str, Any] = dict(initialization_timeout=t.initialization_s,
+                            heartbeat_timeout_seconds=t.heartbeat_s,
+                            shutdown_timeout_seconds=t.shutdown_s)
+  # CPU collectives across processes (the default in recent JAX; harmless on GPU runs).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if settings.mode == "explicit":
+    jax.distributed.initialize(settings.coordinator, num_processes=settings.num_processes,
+                               process_id=settings.process_id, **kw)
+  else:
+    if settings.mode != "auto":
+      kw["cluster_detection_method"] = settings.mode
+    jax.distributed.initialize(num_processes=settings.num_processes,
+                               process_id=settings.process_id, **kw)
+  tag_log_lines()
+  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
+
+
+def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
+  """Initialises jax.distributed if the flags or the environment ask for it."""
+  return initialize(settings_from_flags_and_env(env))
+
+
+class _ProcessTag(pylogging.Filter):
+  """Prefixes every record with `[process i/N]`."""
+
+  def __init__(self, index: int, count: int):
+    super().__init__()
+    self.tag = f"[process {index}/{count}] "
+
+  def filter(self, record):
+    if not str(record.msg).startswith(self.tag):
+      record.msg = self.tag + str(record.msg)
     return True
-  if os.environ.get("GEM_JAX_DISTRIBUTED") == "auto":
-    jax.distributed.initialize()
-    return True
-  return False
+
+
+def tag_log_lines() -> None:
+  """Adds `[process i/N]` to every absl log line of this process (multi-process runs)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _ProcessTag) for f in handler.filters):
+    handler.addFilter(_ProcessTag(jax.process_index(), jax.process_count()))
+
+
+# ----------------------------------------------------- cross-process values --
+
+def allgather_json(value: Any) -> list[Any]:
+  """Every process's JSON-serialisable `value`, indexed by process (a collective).
+
+  All processes must call it. One process: `[value]` without any communication.
+  """
+  if jax.process_count() == 1:
+    return [value]
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  n = multihost_utils.process_allgather(np.array([raw.size], np.int32))  # (P, 1)
+  buf = np.zeros(int(n.max()), np.uint8)
+  buf[:raw.size] = raw
+  every = multihost_utils.process_allgather(buf)  # (P, max_len)
+  return [json.loads(bytes(every[p, :int(n[p, 0])]).decode()) for p in range(every.shape[0])]
+
+
+def data_positions(position: Any) -> dict:
+  """The data-iterator state to checkpoint: this (process 0's) and every process's.
+
+  All processes walk the same global record order, so `position` (what a
+  restart with any process count resumes from) is the same on each of them,
+  except for per-process bookkeeping such as bad-row counts; `by_process` keeps
+  every process's own state so a restart with the same process count gets its
+  own back exactly. A collective: every process calls it.
+  """
+  every = allgather_json(position)
+  return {"position": every[0], "by_process": every}
+
+
+def own_data_position(saved: Any) -> Any:
+  """This process's iterator state from `data_positions(...)` (or a plain saved state)."""
+  if not isinstance(saved, dict) or "by_process" not in saved:
+    return saved
+  every = saved["by_process"]
+  if len(every) == jax.process_count():
+    return every[jax.process_index()]
+  return saved["position"]
+
+
+def prepare_local_ids(plan, host_ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """`embedding.prepare_ids` for this process's rows of the global batch.
+
+  Each process holds `plan.batch_size // process_count` rows (its slice of the
+  global batch, assembled into global arrays by
+  `jax.make_array_from_process_local_data`); the tables' id policies are
+  per-id, so they apply to the slice alone.
+
+  Args:
+    plan: the embedding plan (`plan.batch_size` is the global batch).
+    host_ids: `{feature: (B / P, bag) ints}`.
+  Returns:
+    `{feature: int32 (B / P, bag)}`, -1 at padding.
+  """
+  from gem_jax.embedding.ids import apply_id_policy  # pylint: disable=import-outside-toplevel
+  local = plan.batch_size // jax.process_count()
+  out = {}
+  for name, f in plan.features.items():
+    if name not in host_ids:
+      raise KeyError(f"ids for feature {name!r} are missing; got {sorted(host_ids)}")
+    ids = np.asarray(host_ids[name])
+    if ids.shape != (local, f.bag):
+      raise ValueError(f"feature {name!r}: ids of shape {ids.shape}, expected ({local}, {f.bag}) "
+                       f"(this process's {local} of {plan.batch_size} rows, bag)")
+    t = plan.tables[f.table]
+    out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
+  return out

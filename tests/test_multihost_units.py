@@ -1,0 +1,117 @@
+"""Multi-host building blocks, in one process: settings from flags/env, data
+positions in checkpoints, per-process id preparation, the step watchdog."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from gem_jax import embedding as emb_lib
+from gem_jax.parallel import distributed as dist
+from gem_jax.train import watchdog as wd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ settings --
+
+def test_explicit_settings_from_env():
+  s = dist.settings_from_flags_and_env({
+      "GEM_JAX_COORDINATOR": "10.0.0.1:1234", "GEM_JAX_NUM_PROCESSES": "4",
+      "GEM_JAX_PROCESS_ID": "3", "GEM_JAX_HEARTBEAT_TIMEOUT_S": "7",
+      "GEM_JAX_INIT_TIMEOUT_S": "11"})
+  assert (s.mode, s.coordinator, s.num_processes, s.process_id) == ("explicit", "10.0.0.1:1234",
+                                                                     4, 3)
+  assert (s.timeouts.heartbeat_s, s.timeouts.initialization_s, s.timeouts.shutdown_s) == (7, 11,
+                                                                                          300)
+
+
+def test_auto_and_named_detection_and_single_process():
+  assert dist.settings_from_flags_and_env({"GEM_JAX_DISTRIBUTED": "auto"}).mode == "auto"
+  assert dist.settings_from_flags_and_env({"GEM_JAX_DISTRIBUTED": "slurm"}).mode == "slurm"
+  single = dist.settings_from_flags_and_env({})
+  assert single.mode == "none" and single.timeouts == dist.Timeouts()
+  assert dist.initialize(single) is False  # a single-process run touches nothing
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"GEM_JAX_COORDINATOR": "h:1", "GEM_JAX_NUM_PROCESSES": "2"}, "process_id"),
+    ({"GEM_JAX_COORDINATOR": "h:1", "GEM_JAX_NUM_PROCESSES": "2", "GEM_JAX_PROCESS_ID": "2"},
+     r"not in \[0, 2\)"),
+])
+def test_incomplete_explicit_settings_are_errors(env, match):
+  with pytest.raises(ValueError, match=match):
+    dist.settings_from_flags_and_env(env)
+
+
+# ------------------------------------------------------------- data positions --
+
+def test_data_positions_single_process_and_own_position():
+  pos = {"batch": 5, "seed": 0}
+  saved = dist.data_positions(pos)
+  assert saved == {"position": pos, "by_process": [pos]}
+  assert dist.own_data_position(saved) == pos
+  # Saved by 2 processes, restored by 1: the global position (process 0's).
+  two = {"position": {"batch": 5, "bad": 0}, "by_process": [{"batch": 5, "bad": 0},
+                                                            {"batch": 5, "bad": 2}]}
+  assert dist.own_data_position(two) == {"batch": 5, "bad": 0}
+  assert dist.own_data_position({"batch": 3}) == {"batch": 3}  # pre-multi-host checkpoints
+  assert dist.own_data_position(None) is None
+
+
+def test_prepare_local_ids_matches_prepare_ids(mesh8):
+  tables = [emb_lib.TableConfig("t", rows=10, dim=4, id_policy="hash")]
+  feats = [emb_lib.FeatureConfig("f", "t", bag=2)]
+  plan = emb_lib.plan_embeddings(tables, feats, mesh8, batch_size=8,
+                                 optimizer=emb_lib.SparseOptimizerConfig())
+  ids = {"f": np.array([[1, 25], [-1, 3], [9, 10], [123456789, 0]] * 2)}
+  np.testing.assert_array_equal(dist.prepare_local_ids(plan, ids)["f"],
+                                emb_lib.prepare_ids(plan, ids)["f"])
+  assert dist.prepare_local_ids(plan, ids)["f"][1, 0] == -1
+  with pytest.raises(ValueError, match=r"expected \(8, 2\)"):
+    dist.prepare_local_ids(plan, {"f": ids["f"][:4]})
+
+
+# ------------------------------------------------------------------ watchdog --
+
+def test_watchdog_fires_when_beats_stop_and_not_while_beating():
+  messages = []
+  dog = wd.StepWatchdog(0.5, step=7, process_index=1, process_count=2,
+                        on_stall=messages.append, poll_s=0.05)
+  for s in range(8, 12):  # beats every 0.1 s: no stall
+    time.sleep(0.1)
+    dog.beat(s)
+  assert not messages
+  time.sleep(1.0)
+  dog.stop()
+  assert len(messages) == 1 and dog.fired
+  assert "[process 1/2]" in messages[0] and "after step 11" in messages[0]
+  assert "stalled in step 12" in messages[0]
+
+
+def test_watchdog_off_by_default_in_one_process():
+  assert wd.resolve_timeout_s({}) == 0.0
+  assert wd.resolve_timeout_s({"GEM_JAX_STEP_TIMEOUT_S": "12.5"}) == 12.5
+  dog = wd.StepWatchdog.from_env(env={})
+  assert not dog.enabled
+  dog.stop()
+
+
+def test_stalled_process_exits_nonzero_with_its_step():
+  code = textwrap.dedent("""
+      import time
+      from gem_jax.train.watchdog import StepWatchdog
+      dog = StepWatchdog(1.0, step=3, process_index=0, process_count=1)
+      dog.beat(4)
+      time.sleep(30)
+      """)
+  t0 = time.monotonic()
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=60, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == wd.STALL_EXIT_CODE
+  assert time.monotonic() - t0 < 25
+  assert "step watchdog: no progress" in proc.stderr and "after step 4" in proc.stderr
+  assert "StepWatchdog" in proc.stderr or "Thread" in proc.stderr  # the stacks are dumped
