@@ -38,7 +38,7 @@ def _losses(workdir):
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("e2e")
   cache = tmp / "xla_cache"
-  full, _ = _run("train.py", tmp / "full", cache=cache)
+  full, _ = _run("train.py", tmp / "full", "--config.train.profile_steps=4,5", cache=cache)
   part, _ = _run("train.py", tmp / "resumed", "--config.train.stop_at=3", cache=cache)
   resumed, err = _run("train.py", tmp / "resumed", cache=cache)
   return tmp, full, part, resumed, err
@@ -66,6 +66,8 @@ def test_resumed_losses_equal_uninterrupted(runs):
                              rtol=2e-6, atol=0)
   assert resumed["eval_auc"] == pytest.approx(full["eval_auc"], abs=1e-4)
   assert os.path.isdir(tmp / "full" / "tb") and os.path.isdir(tmp / "full" / "checkpoints" / "6")
+  traces = [f for _, _, fs in os.walk(tmp / "full" / "plugins") for f in fs]
+  assert any(f.endswith(".xplane.pb") for f in traces), traces  # profiler switch
 
 
 def test_evaluate_script_restores_latest(runs):
