@@ -33,6 +33,7 @@ from gem_jax import embedding as emb_lib
 from gem_jax.data import pipeline
 from gem_jax.data import registry as data_registry
 from gem_jax.data.spec import DataSpec
+from gem_jax.parallel import distributed as dist
 from gem_jax.parallel import sharding as shd
 from gem_jax.parallel.mesh import make_mesh, resolve_mesh_shape
 from gem_jax.train import checkpoint as ckpt_lib
@@ -42,6 +43,7 @@ from gem_jax.train import optim
 from gem_jax.train import report
 from gem_jax.train import state as state_lib
 from gem_jax.train import step as step_lib
+from gem_jax.train import watchdog as watchdog_lib
 
 
 class ConfigError(ValueError):
@@ -171,7 +173,7 @@ def xla_flops_per_example(compiled, batch_size: int) -> float | None:
 def _host_batch(plan, batch: dict) -> dict:
   """Host-side preparation: ids through the tables' id policy (-> int32 in range)."""
   batch = dict(batch)
-  batch["ids"] = emb_lib.prepare_ids(plan, batch["ids"])
+  batch["ids"] = dist.prepare_local_ids(plan, batch["ids"])  # this process's rows
   return batch
 
 
@@ -259,7 +261,7 @@ def restore_or_init(s: Setup, ckpt, seed: int):
     return state, None, None
   state = restored.state.replace(emb=emb_lib.import_state(s.plan, restored.state.emb))
   data = restored.data_state or {}
-  return state, data.get("train"), restored.step
+  return state, dist.own_data_position(data.get("train")), restored.step
 
 
 def _evaluate(s: Setup, eval_fn, state, config):
@@ -333,6 +335,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   profiler = report.Profiler(workdir, config.train.profile_steps)
   progress = report.Progress(steps, initial=step)
+  watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
   summary, last, running, n_log = {}, {}, None, 0
   t_log = time.perf_counter()
   try:
@@ -342,6 +345,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         state, metrics = train_fn(state, batch)
       step += 1
       n_log += 1
+      watchdog.beat(step)
       running = metrics if running is None else jax.tree.map(lambda a, b: a + b, running, metrics)
       profiler.maybe_stop(step, metrics)
 
@@ -362,8 +366,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         writer.write(step, eval_metrics)
         progress.update(step, eval_metrics)
         summary.update(eval_metrics)
-      ckpt.save(step, checkpoint_tree(state, s.plan), data_state={"train": batches.state()},
-                config=config, metrics=eval_metrics, force=step in (steps, stop_at))
+      if ckpt.should_save(step) or step in (steps, stop_at):  # every process's data position
+        ckpt.save(step, checkpoint_tree(state, s.plan),
+                  data_state={"train": dist.data_positions(batches.state())},
+                  config=config, metrics=eval_metrics, force=step in (steps, stop_at))
       if eval_metrics is not None or step % config.train.log_every == 0:
         t_log = time.perf_counter()  # eval / checkpoint time is not step time
       if step < min(steps, stop_at):
@@ -375,6 +381,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if oracle:
       writer.write(step, oracle)
   finally:
+    watchdog.stop()
     batches.close()
     ckpt.close()
     profiler.close()
