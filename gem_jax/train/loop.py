@@ -39,10 +39,13 @@ from gem_jax.parallel.mesh import make_mesh, resolve_mesh_shape
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
 from gem_jax.train import metrics as metrics_lib
+from gem_jax.train import nonfinite
 from gem_jax.train import optim
+from gem_jax.train import preemption
 from gem_jax.train import report
 from gem_jax.train import state as state_lib
 from gem_jax.train import step as step_lib
+from gem_jax.train import validate
 from gem_jax.train import watchdog as watchdog_lib
 
 
@@ -233,12 +236,14 @@ def setup(config) -> Setup:
     raise ConfigError(f"config.data ({config.data.kind}): {e}") from None
   spec = train_src.spec
   shared = getattr(train_src, "shared_vocab", None) if config.embedding.share_tables else None
+  validate.check_embedding(spec, config.embedding, shared)
   plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared)
   eval_plan = (plan if config.data.eval_batch_size == config.data.batch_size else
                make_plan(spec, config.embedding, mesh, config.data.eval_batch_size, shared))
   feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
   model_fn = model_factory(config.model, spec, feature_dims)
   tx, schedule = optim.optimizer_from_config(config.optim, config.train.steps)
+  tx = nonfinite.with_skip_counter(tx)  # steps skipped for non-finite values, checkpointed
   sparse_lr = optim.sparse_lr_schedule(config.embedding.lr, config.embedding.get("warmup_steps", 0))
   n_tasks, n_domains = len(spec.tasks), spec.num_domains
   acc_fn = lambda: metrics_lib.init_accumulators(n_tasks, n_domains)  # noqa: E731
@@ -298,6 +303,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   quiet_library_logs()
   report.enable_compilation_cache(config.train.compile_cache or None)
   s = setup(config)
+  validate.check_workdir(workdir, validate.checkpoint_bytes(s.abstract, config.train.keep))
   if jax.process_index() == 0:
     logging.info("mesh %s on %d %s devices\n%s", dict(s.mesh.shape), jax.device_count(),
                  jax.default_backend(), s.plan.describe())
@@ -320,7 +326,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   batch = next(batches)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
   train_fn, timing = report.timed_compile(
-      step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh), state, batch)
+      nonfinite.jit_guarded_train_step(s.step_cfg, s.shardings, batch_sh,
+                                       config.train.get("inject_nan_step", 0)), state, batch)
   compile_s = timing.lower_s + timing.compile_s
   eval_fn = None
   flops = train_flops_per_example(config.model, s.spec, s.feature_dims)
@@ -338,6 +345,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
   summary, last, running, n_log = {}, {}, None, 0
   t_log = time.perf_counter()
+  nf_policy = nonfinite.NonFinitePolicy(config.train.get("nonfinite", "skip"),
+                                        config.train.get("max_rollbacks", 3))
+  preempt = preemption.PreemptionWatcher(
+      check_every=config.train.get("preempt_check_every", 1)).install()
   try:
     while step < min(steps, stop_at):
       profiler.maybe_start(step)
@@ -345,6 +356,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         state, metrics = train_fn(state, batch)
       step += 1
       n_log += 1
+      if nf_policy.check(step, metrics):  # train.nonfinite='rollback'
+        state = nonfinite.rolled_back(state, restore_or_init(s, ckpt, config.seed)[0])
       watchdog.beat(step)
       running = metrics if running is None else jax.tree.map(lambda a, b: a + b, running, metrics)
       profiler.maybe_stop(step, metrics)
@@ -366,10 +379,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         writer.write(step, eval_metrics)
         progress.update(step, eval_metrics)
         summary.update(eval_metrics)
-      if ckpt.should_save(step) or step in (steps, stop_at):  # every process's data position
+      preempted = preempt.should_stop(step)  # SIGTERM/SIGINT: checkpoint now and return
+      if ckpt.should_save(step) or step in (steps, stop_at) or preempted:  # every process's data position
         ckpt.save(step, checkpoint_tree(state, s.plan),
                   data_state={"train": dist.data_positions(batches.state())},
-                  config=config, metrics=eval_metrics, force=step in (steps, stop_at))
+                  config=config, metrics=eval_metrics,
+                  force=step in (steps, stop_at) or preempted)
+      if preempted:
+        ckpt.wait()
+        break
       if eval_metrics is not None or step % config.train.log_every == 0:
         t_log = time.perf_counter()  # eval / checkpoint time is not step time
       if step < min(steps, stop_at):
@@ -382,6 +400,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       writer.write(step, oracle)
   finally:
     watchdog.stop()
+    preempt.uninstall()
     batches.close()
     ckpt.close()
     profiler.close()
