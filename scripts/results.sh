@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Reproduces every number in docs/RESULTS.md: short CPU runs of scripts/train.py on the
+# shared real-data samples (../shared/data or $GEM_JAX_DATA), 3 seeds each, then the
+# tables (mean +- sample std over seeds) printed as markdown.
+#
+#   bash scripts/results.sh                  # everything (~25-40 min on 2 busy cores)
+#   bash scripts/results.sh criteo           # one part: criteo | movielens | avazu | table
+#   SEEDS="0 1 2" OUT=runs/results PY=.venv/bin/python bash scripts/results.sh
+#
+# Each run is one CPU device (mesh 1x1: the sharded paths are tested elsewhere; the
+# numbers do not depend on the mesh) and prints its final JSON line to $OUT/<run>.json.
+# Runs are sequential; a run whose JSON already exists is skipped (delete it to redo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/results}
+SEEDS=${SEEDS:-"0 1 2"}
+export XLA_FLAGS=--xla_force_host_platform_device_count=1
+mkdir -p "$OUT"
+
+# scripts/train.py with two extra model names registered for these runs:
+#   lr         gem_jax.models.linear.LinearModel (logistic regression);
+#   gem_noseq  GEM built on the DataSpec without its event streams (GEM's dummy stream
+#              of one invalid event takes their place: no sequence module input).
+# (When gem_jax/train/loop.py's model table lists 'lr' itself this changes nothing.)
+train() {
+  "$PY" - "$@" <<'EOF'
+import dataclasses
+import runpy
+import sys
+import types
+
+from gem_jax.models.gem import GEM
+from gem_jax.train import loop
+
+
+class GEMNoSequences(GEM):
+  """GEM on the spec minus its streams and their item features (inputs['seq'] unused)."""
+
+  def __init__(self, cfg, spec, feature_dims, *, rngs):
+    items = spec.sequence_item_features
+    spec = dataclasses.replace(spec, sequences=(),
+                               sparse=tuple(f for f in spec.sparse if f.name not in items))
+    super().__init__(cfg, spec, feature_dims, rngs=rngs)
+
+
+ablations = types.ModuleType("results_ablations")
+ablations.GEMNoSequences = GEMNoSequences
+sys.modules["results_ablations"] = ablations
+loop._MODELS.setdefault("lr", ("gem_jax.models.linear", "LinearModel"))
+loop._MODELS.setdefault("gem_noseq", ("results_ablations", "GEMNoSequences"))
+sys.argv = ["scripts/train.py"] + sys.argv[1:]
+runpy.run_path("scripts/train.py", run_name="__main__")
+EOF
+}
+
+# run NAME ARGS...: one training run unless $OUT/NAME.json exists.
+run() {
+  local name=$1; shift
+  if [[ -s "$OUT/$name.json" ]]; then echo "skip $name (exists)"; return; fi
+  echo "== $name"
+  rm -rf "$OUT/$name"
+  local t0=$SECONDS
+  train --workdir "$OUT/$name" "$@" --config.mesh='(1,1)' \
+    --config.train.compile_cache="$OUT/compile_cache" 2> "$OUT/$name.log" | tail -n 1 > "$OUT/$name.json.tmp"
+  mv "$OUT/$name.json.tmp" "$OUT/$name.json"
+  echo "   $((SECONDS - t0)) s: $(cut -c1-160 "$OUT/$name.json")"
+}
+
+# Criteo 8k sample: train split (7,200 rows) -> dev split (409 rows). One epoch
+# (56 steps of 128; more epochs overfit the hashed embeddings of this sample).
+CRITEO=(--config configs/criteo.py --config.data.batch_size=128 --config.train.steps=56
+        --config.optim.warmup_steps=5 --config.train.eval_every=56
+        --config.train.checkpoint_every=56 --config.train.log_every=28)
+criteo() {
+  for model in lr dlrm dcnv2 gem; do
+    for s in $SEEDS; do
+      run "criteo_${model}_s$s" "${CRITEO[@]}" --config.model.name=$model --config.seed=$s
+    done
+  done
+}
+
+# MovieLens ml-latest-small, time split at the 80% hour: GEM with its `history` stream
+# (20 most recent earlier ratings) and without it (gem_noseq). One epoch of the
+# train period (80,018 examples, 157 steps of 512); eval = the last 20% (19,986).
+MOVIELENS=(--config configs/movielens.py --config.data.max_len=20 --config.data.batch_size=512
+           --config.train.steps=157 --config.optim.warmup_steps=10 --config.train.eval_every=157
+           --config.train.checkpoint_every=157 --config.train.log_every=50)
+movielens() {
+  for model in gem gem_noseq; do
+    for s in $SEEDS; do
+      run "movielens_${model}_s$s" "${MOVIELENS[@]}" --config.model.name=$model --config.seed=$s
+    done
+  done
+}
+
+# Avazu 9k sample: train split (8,087 rows) -> dev split (480 rows), two domains
+# (0 = site, 1 = app traffic). One epoch (63 steps of 128).
+AVAZU=(--config configs/avazu.py --config.data.batch_size=128 --config.train.steps=63
+       --config.optim.warmup_steps=5 --config.train.eval_every=63
+       --config.train.checkpoint_every=63 --config.train.log_every=21)
+avazu() {
+  for model in gem; do
+    for s in $SEEDS; do
+      run "avazu_${model}_s$s" "${AVAZU[@]}" --config.model.name=$model --config.seed=$s
+    done
+  done
+}
+
+table() {
+  "$PY" - "$OUT" <<'EOF'
+import glob
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+out = sys.argv[1]
+runs = {}
+for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+  m = re.fullmatch(r"(\w+?)_(\w+)_s(\d+)\.json", os.path.basename(path))
+  if m:
+    with open(path) as f:
+      runs.setdefault((m[1], m[2]), []).append(json.loads(f.read()))
+
+
+def cell(rs, key):
+  v = np.array([r.get(key, np.nan) for r in rs], np.float64)
+  spread = f" ± {v.std(ddof=1):.4f}" if len(v) > 1 else ""
+  return f"{v.mean():.4f}{spread}"
+
+
+cols = {"criteo": ("eval_auc", "eval_logloss"),
+        "movielens": ("eval_auc", "eval_logloss"),
+        "avazu": ("eval_auc", "eval_logloss", "eval_auc/click/domain_0",
+                  "eval_auc/click/domain_1")}
+for data, keys in cols.items():
+  rows = [(m, rs) for (d, m), rs in sorted(runs.items()) if d == data]
+  if not rows:
+    continue
+  print(f"\n{data}\n\n| model | seeds | " + " | ".join(keys) + " |")
+  print("|---|---|" + "---|" * len(keys))
+  for model, rs in rows:
+    print(f"| {model} | {len(rs)} | " + " | ".join(cell(rs, k) for k in keys) + " |")
+EOF
+}
+
+parts=("$@")
+[[ ${#parts[@]} -eq 0 ]] && parts=(criteo avazu movielens table)
+for p in "${parts[@]}"; do "$p"; done
