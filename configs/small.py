@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.preset = "small"
   c.data.train = ""
   c.data.eval = ""
-  c.data.batch_size = 256
+  c.data.batch_size = 1024
   c.data.eval_batch_size = 1024
   c.data.eval_examples = 20_000
   c.data.shuffle_buffer = 0
@@ -55,7 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.embedding = ml_collections.ConfigDict()
   c.embedding.dim = 16
   c.embedding.optimizer = "rowwise_adagrad"
-  c.embedding.lr = 0.2
+  c.embedding.lr = 0.3
   c.embedding.warmup_steps = 0
   c.embedding.sharding = "auto"
   c.embedding.id_policy = "hash"
@@ -64,18 +64,18 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adamw"
-  c.optim.lr = 2e-3
-  c.optim.warmup_steps = 20
+  c.optim.lr = 4e-3
+  c.optim.warmup_steps = 10
   c.optim.decay = "cosine"
   c.optim.weight_decay = 0.0
   c.optim.clip_norm = 1.0
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000
-  c.train.log_every = 50
-  c.train.eval_every = 250
+  c.train.steps = 250
+  c.train.log_every = 25
+  c.train.eval_every = 125
   c.train.eval_batches = 0
-  c.train.checkpoint_every = 250
+  c.train.checkpoint_every = 125
   c.train.keep = 2
   c.train.best_metric = "eval_auc"
   c.train.grad_accum = 1

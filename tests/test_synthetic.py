@@ -1,4 +1,7 @@
 """Synthetic source: batch contract, determinism, sharding/resume, planted signal, learnability."""
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,10 +230,40 @@ def test_tiny_signal_is_learnable_from_100k_rows():
   assert gap_closed((auc_c + auc_v) / 2, (orc_c + orc_v) / 2) >= 0.9, res
 
 
+def test_small_effects_sit_on_frequent_values():
+  """Most rows of every pooled feature hold a value with an effect (learnable from
+  the demo's rows), while the vocabularies keep a long Zipf tail."""
+  src = SyntheticSource("small", seed=0)
+  r = src._ranks(src.examples(0, 20_000))
+  for f in src.preset.features:
+    rk = r[f.name]
+    valid = rk >= 0
+    covered = ((rk < f.top) & valid).sum() / valid.sum()
+    # Measured: 0.66 (advertiser) .. 0.77 (ad_category); 1.0 for device and hour.
+    assert covered > 0.6, (f.name, covered)
+    if f.vocab >= 200:
+      assert f.top <= 24 and len(np.unique(rk[valid])) > 2 * f.top, f.name
+  assert src.preset.pair_top == 8
+
+
+def demo_rows():
+  """Rows the `small` demo reads: configs/small.py's batch_size x steps."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "small.py")
+  spec = importlib.util.spec_from_file_location("small_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  return c.data.batch_size * c.train.steps
+
+
 @pytest.mark.slow
 def test_small_signal_is_learnable_from_the_demo_budget():
-  """The `small` preset from 500k rows (the low end of the CPU demo): >= 90% per task."""
-  res = fit_true_structure(SyntheticSource("small", seed=0), 500_000, 100_000)
-  # Measured: click 0.98, conversion 0.93.
+  """The `small` preset from exactly the rows the CPU demo reads, one pass: >= 90%
+  of the AUC gap per task for a model given the true structure."""
+  n = demo_rows()
+  assert n == 256_000
+  res = fit_true_structure(SyntheticSource("small", seed=0), n, 100_000, epochs=1)
+  # Measured (AUC / oracle): click 0.890 / 0.894 (99%), conversion 0.827 / 0.844 (95%).
   for name, (auc, oracle) in res.items():
     assert gap_closed(auc, oracle) >= 0.9, (name, res)
