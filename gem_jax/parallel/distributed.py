@@ -136,6 +136,12 @@ def initialize(settings: DistributedSettings) -> bool:
     jax.distributed.initialize(num_processes=settings.num_processes,
                                process_id=settings.process_id, **kw)
   tag_log_lines()
+  if jax.process_count() > 1 and os.environ.get("GEM_JAX_MULTIPROCESS_CACHE", "0") != "1":
+    # JAX writes persistent-cache entries from process 0 only and the keys differ per
+    # process, so on a restart process 0 loads its programs in seconds while the
+    # others compile for minutes; that skew overruns the collectives' rendezvous
+    # (gloo: 30 s) at the first step. Every process compiles instead.
+    jax.config.update("jax_enable_compilation_cache", False)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
