@@ -115,3 +115,44 @@ def test_stalled_process_exits_nonzero_with_its_step():
   assert time.monotonic() - t0 < 25
   assert "step watchdog: no progress" in proc.stderr and "after step 4" in proc.stderr
   assert "StepWatchdog" in proc.stderr or "Thread" in proc.stderr  # the stacks are dumped
+
+
+# ------------------------------------------------------------------ launcher --
+
+FAKE_TRAIN = """
+import os, sys, time
+pid = int(os.environ["GEM_JAX_PROCESS_ID"])
+line = " ".join(str(v) for v in (os.environ["GEM_JAX_COORDINATOR"],
+                                  os.environ["GEM_JAX_NUM_PROCESSES"], pid,
+                                  os.environ["XLA_FLAGS"], sys.argv[1:]))
+os.write(1, (line + "\\n").encode())  # one write: the processes share stdout
+if pid == 0:
+  time.sleep(float(os.environ.get("HANG_S", "0")))   # a peer that never stops by itself
+sys.exit(3 if pid == 1 else 0)
+"""
+
+
+def _launch(tmp_path, n, d, *args, **env):
+  script = tmp_path / "fake_train.py"
+  script.write_text(FAKE_TRAIN)
+  return subprocess.run(
+      ["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(n), str(d), "--", *args],
+      env=dict(os.environ, PYTHON=sys.executable, GEM_JAX_SCRIPT=str(script), **env),
+      capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_sets_each_process_up_and_returns_the_failure(tmp_path):
+  proc = _launch(tmp_path, 3, 2, "--config", "c.py", GEM_JAX_PORT="12345")
+  assert proc.returncode == 3
+  assert sorted(proc.stdout.splitlines()) == [
+      f"127.0.0.1:12345 3 {i} --xla_force_host_platform_device_count=2 ['--config', 'c.py']"
+      for i in range(3)]
+
+
+def test_launcher_kills_a_hung_peer_after_a_failure(tmp_path):
+  t0 = time.monotonic()
+  proc = _launch(tmp_path, 2, 1, HANG_S="100", GEM_JAX_KILL_AFTER_S="1",
+                 GEM_JAX_TERM_GRACE_S="1")
+  assert proc.returncode == 3
+  assert time.monotonic() - t0 < 30
+  assert "killing processes still running" in proc.stderr
