@@ -119,7 +119,7 @@ def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | Non
 
 
 _MODELS = {"gem": ("gem_jax.models.gem", "GEM"), "dlrm": ("gem_jax.models.dlrm", "DLRM"),
-           "dcnv2": ("gem_jax.models.dlrm", "DCNv2")}
+           "dcnv2": ("gem_jax.models.dlrm", "DCNv2"), "lr": ("gem_jax.models.linear", "LinearModel")}
 
 
 def _model_config(model_cfg):
@@ -153,6 +153,9 @@ def train_flops_per_example(model_cfg, spec: DataSpec, feature_dims: dict) -> fl
   cfg = _model_config(model_cfg)
   if model_cfg.name == "gem":
     fwd = flops.gem_flops(cfg, spec, feature_dims)["total"]
+  elif model_cfg.name == "lr":
+    from gem_jax.models import linear  # pylint: disable=import-outside-toplevel
+    fwd = linear.linear_flops(spec, feature_dims)
   else:
     fwd = flops.dlrm_flops(cfg, spec, feature_dims,
                            "dot" if model_cfg.name == "dlrm" else "dcn")["total"]
