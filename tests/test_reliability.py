@@ -209,6 +209,7 @@ def _restore(workdir, config):
     return s, ckpt.restore(loop.checkpoint_abstract(s.abstract, s.plan))
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_loop_skip_mode_counts_and_checkpoints_stay_finite(tmp_path, cache_dir):
   c = tiny_config(steps=3, checkpoint_every=3, inject_nan_step=2, compile_cache=cache_dir)
   out = loop.train_and_evaluate(c, str(tmp_path))
@@ -219,6 +220,7 @@ def test_loop_skip_mode_counts_and_checkpoints_stay_finite(tmp_path, cache_dir):
   assert [r["nonfinite_loss"] for r in rows] == [0.0, 1.0, 0.0]
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_loop_stop_mode_names_step_and_metric(tmp_path, cache_dir):
   c = tiny_config(steps=3, checkpoint_every=1, inject_nan_step=2, nonfinite="stop",
                   compile_cache=cache_dir)
@@ -228,6 +230,7 @@ def test_loop_stop_mode_names_step_and_metric(tmp_path, cache_dir):
     assert ckpt.all_steps() == [1]     # nothing saved at or after the bad step
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_loop_rollback_mode_restores_last_checkpoint(tmp_path, cache_dir):
   c = tiny_config(steps=4, checkpoint_every=2, inject_nan_step=3, nonfinite="rollback",
                   compile_cache=cache_dir)

@@ -51,6 +51,7 @@ def reference(tmp_path_factory, cache):
   return d
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_sigterm_checkpoints_exits_0_and_resume_is_bit_identical(tmp_path, cache, reference):
   proc = _start(tmp_path, cache, steps=8, every=4)
   while len(chaos.logged_steps(str(tmp_path))) < 2 and proc.poll() is None:
@@ -73,6 +74,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_is_bit_identical(tmp_path, cache
   assert chaos.final_states_equal(str(reference), str(tmp_path), 8)
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_sigkill_during_async_save_restarts_from_newest_complete(tmp_path, cache):
   ckpt = tmp_path / "checkpoints"
   for _ in range(5):  # the save must be caught in flight; tiny saves take ~0.1 s

@@ -72,6 +72,7 @@ def _reference_forward(teacher, batch):
   return np.asarray(logits), np.asarray(aux["trunk"]), np.asarray(aux["seq_summary"])
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_generated_knowledge_matches_teacher_forward(teacher, knowledge):
   src, d, index = knowledge
   assert index["num_batches"] == 3 and index["shards"] == [[48, 48]]
@@ -90,6 +91,7 @@ def test_generated_knowledge_matches_teacher_forward(teacher, knowledge):
   assert np.std(cat("logits")[:, 0]) > 1e-3  # not a constant (the check could pass vacuously)
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_knowledge_resume_is_exact_and_mismatch_fails(knowledge):
   src, d, _ = knowledge
   ks = kn.KnowledgeSource(src, d)
@@ -129,6 +131,7 @@ def _host(run, state):
           jax.tree.map(np.asarray, emb_lib.export_state(run.plan, state.emb)))
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_frozen_shared_tables_and_blocks_are_bit_identical(teacher, knowledge):
   src, d, _ = knowledge
   opts = TransferOptions(distill_weights=(1.0, 0.5), share_tables=("user", "category"),
@@ -150,6 +153,7 @@ def test_frozen_shared_tables_and_blocks_are_bit_identical(teacher, knowledge):
   assert last["loss_soft"] > 0 and int(state.step) == 4
 
 
+@pytest.mark.slow  # real training loop runs: minutes on 2 cores
 def test_adapter_only_training_updates_only_the_adapter(teacher, knowledge):
   src, d, _ = knowledge
   opts = TransferOptions(distill_weights=(1.0, 1.0), adapter=True, train_student=False)
