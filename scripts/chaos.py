@@ -231,6 +231,12 @@ def _judge(killed: dict, restart: dict) -> tuple[bool, bool]:
   checkpoint on disk when it started, or a SIGTERM that ended the run cleanly
   left no checkpoint at its last logged step.
   """
+  if restart["at_startup"]:
+    # Killed during start-up (by design, ~10% of trials): it had no chance to
+    # train; it must not have resumed from a wrong checkpoint if it got that far,
+    # and the start after it is judged against the same newest checkpoint.
+    lost = restart["resumed"] is not None and restart["resumed"] != restart["expected"]
+    return not lost, bool(lost)
   lost = restart["expected"] is not None and restart["resumed"] != restart["expected"]
   if killed["signal"] == signal.SIGTERM and killed["rc"] == 0 and killed["last_step"]:
     lost = lost or killed["newest_after"] != killed["last_step"]
