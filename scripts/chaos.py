@@ -231,7 +231,7 @@ def _judge(killed: dict, restart: dict) -> tuple[bool, bool]:
   checkpoint on disk when it started, or a SIGTERM that ended the run cleanly
   left no checkpoint at its last logged step.
   """
-  if restart["at_startup"]:
+  if restart.get("at_startup"):
     # Killed during start-up (by design, ~10% of trials): it had no chance to
     # train; it must not have resumed from a wrong checkpoint if it got that far,
     # and the start after it is judged against the same newest checkpoint.
