@@ -32,33 +32,12 @@ from flax import nnx
 
 from gem_jax.layers.attention import PMA, Attention, attention_flops, pma_flops
 from gem_jax.layers.dense import Dense
+from gem_jax.layers.mlp import REMAT_POLICIES  # noqa: F401  (re-exported)
+from gem_jax.layers.mlp import checkpoint_call as remat_call
 from gem_jax.layers.norm import LayerNorm
 
 Dtype = Any
-REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 REDUCTIONS = ("recent", "pma")
-
-
-def remat_call(fn, remat: str | None, module: nnx.Module, *args):
-  """fn(module, *args) under activation checkpointing `remat` (None/'none', 'full', 'dots').
-
-  The module is split into (graphdef, state) and merged inside jax.checkpoint,
-  so this works in plain `jax.jit` closures as well as under nnx transforms.
-  The forward pass must not mutate module state.
-  """
-  if remat in (None, "none"):
-    return fn(module, *args)
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat={remat!r}: expected one of none, full, dots")
-  graphdef, state = nnx.split(module)
-
-  def pure(state, *args):
-    return fn(nnx.merge(graphdef, state), *args)
-
-  return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
 
 
 class FeedForward(nnx.Module):
