@@ -47,6 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.embedding.sharding = "auto"
   c.embedding.id_policy = "hash"
   c.embedding.memory_budget_gb = 60.0
+  c.embedding.replica_sync = "auto"   # rows | dense | auto (fewer bytes)
   c.embedding.share_tables = True
 
   c.optim = ml_collections.ConfigDict()

@@ -135,7 +135,7 @@ def test_collective_times_by_hand():
 
 
 def test_step_terms_by_hand():
-  vol = network.StepVolumes(emb_a2a=4e8, emb_sync=1e9, emb_sync_allreduce=2e8,
+  vol = network.StepVolumes(emb_a2a=4e8, emb_sync=2e8, emb_sync_rows=1e9,
                             dense_params=1e9, param_bytes=2, grad_bytes=4)
   t = network.step_terms(vol, NET, replicas=4, shards=8)
   # a2a: 0.4 GB / 400 GB/s = 1 ms + 3 x 7 hops x 2 us
@@ -145,18 +145,18 @@ def test_step_terms_by_hand():
   assert t["hsdp_reduce_scatter"] == pytest.approx(7 / 8 * 4e9 / 400e9 + 14e-6)
   # replicas: 4 devices strided over 4 nodes -> IB; all-reduce of 4 GB / 8 = 0.5 GB
   assert t["replica_all_reduce"] == pytest.approx(2 * (3 / 4 * 0.5e9 / 50e9 + 3 * 10e-6))
-  assert t["emb_sync"] == pytest.approx(1e9 / 50e9 + 3 * 10e-6)
-  assert t["emb_sync_allreduce"] == pytest.approx(2e8 / 50e9 + 6 * 10e-6)
+  assert t["emb_sync"] == pytest.approx(2e8 / 50e9 + 6 * 10e-6)      # 2 (R - 1) hops
+  assert t["emb_sync_rows"] == pytest.approx(1e9 / 50e9 + 3 * 10e-6)  # R - 1 hops
 
 
 def test_project_overlap_and_limit():
   terms = {"emb_a2a": 0.01, "hsdp_all_gather": 0.02, "hsdp_reduce_scatter": 0.01,
-           "replica_all_reduce": 0.03, "emb_sync": 0.5, "emb_sync_allreduce": 0.005}
+           "replica_all_reduce": 0.03, "emb_sync": 0.5, "emb_sync_rows": 0.005}
   p = network.project(0.1, terms)
   assert p["step_s_no_overlap"] == pytest.approx(0.1 + 0.01 + 0.56)
   assert p["step_s_overlap"] == pytest.approx(0.56 + 0.01)
   assert p["limit"] == "emb_sync"
-  q = network.project(0.1, terms, emb_sync="allreduce")
+  q = network.project(0.1, terms, emb_sync="rows")
   assert q["step_s_overlap"] == pytest.approx(0.1 + 0.01)
   assert q["limit"] == "compute"  # a2a is 10 % of compute: not above the threshold
   assert network.mfu(1e9, 1000.0, 8, 1e12) == pytest.approx(1e12 / 8e12)
@@ -172,7 +172,9 @@ def test_project_scale_runs():
   rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
   assert [r["devices"] for r in rows] == [8, 16, 32]
   r8 = rows[0]
-  assert r8["mesh"] == [1, 8] and r8["replica_all_reduce_s"] == 0.0 and r8["emb_sync_s"] == 0.0
+  assert r8["mesh"] == [1, 8] and r8["replica_all_reduce_s"] == 0.0
+  # one replica: only replicated tables sync (over the 8 shards); more replicas sync more.
+  assert 0.0 <= r8["emb_sync_s"] < rows[1]["emb_sync_s"] < rows[2]["emb_sync_s"]
   for r in rows:
     assert r["plan_overlap_step_s"] <= r["plan_no_overlap_step_s"]
     assert 0 < r["plan_overlap_mfu"] <= 0.5 + 1e-9

@@ -234,21 +234,32 @@ def _assert_replicas_identical(state):
         seen[key] = data
 
 
-OPT_CASES = [(m, "rowwise_adagrad") for m in MESHES] + [
-    pytest.param((2, 4), "sgd"), pytest.param((4, 2), "adam"),
-    pytest.param((2, 4), "adam", marks=pytest.mark.slow),
-    pytest.param((1, 8), "sgd", marks=pytest.mark.slow),
-    pytest.param((1, 1), "sgd", marks=pytest.mark.slow),
-    pytest.param((1, 1), "adam", marks=pytest.mark.slow),
-    pytest.param((1, 4), "adam", marks=pytest.mark.slow),
-    pytest.param((4, 2), "sgd", marks=pytest.mark.slow),
+# (mesh, optimizer, replica sync): 'rows' all-gathers row gradients, 'dense'
+# reduce-scatters + all-gathers the shard's gradient (see update.py).
+OPT_CASES = [(m, "rowwise_adagrad", "rows") for m in MESHES] + [
+    ((1, 4), "rowwise_adagrad", "dense"), ((2, 4), "rowwise_adagrad", "dense"),
+    ((4, 2), "rowwise_adagrad", "dense"),
+    ((2, 4), "sgd", "rows"), ((2, 4), "sgd", "dense"),
+    ((4, 2), "adam", "rows"), ((4, 2), "adam", "dense"),
+    pytest.param((2, 4), "adam", "rows", marks=pytest.mark.slow),
+    pytest.param((1, 8), "rowwise_adagrad", "dense", marks=pytest.mark.slow),
+    pytest.param((1, 8), "sgd", "rows", marks=pytest.mark.slow),
+    pytest.param((1, 1), "sgd", "rows", marks=pytest.mark.slow),
+    pytest.param((1, 1), "adam", "rows", marks=pytest.mark.slow),
+    pytest.param((1, 4), "adam", "dense", marks=pytest.mark.slow),
+    pytest.param((4, 2), "sgd", "dense", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,kind", OPT_CASES)
-def test_five_steps_match_dense_optimizer(mesh_shape, kind):
+@pytest.mark.parametrize("mesh_shape,kind,sync", OPT_CASES)
+def test_five_steps_match_dense_optimizer(mesh_shape, kind, sync):
   opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6)
-  plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*mesh_shape), B, opt)
+  plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*mesh_shape), B, opt,
+                         replica_sync=sync)
+  R, S = mesh_shape
+  assert {b.sync for b in plan.buffers.values()} <= {"none", sync}
+  if R * S > 1:
+    assert plan.buffers["rep"].sync == sync
   canon = _random_canonical(opt, seed=1)
   state = import_state(plan, canon)     # non-trivial slots, too
   tables = {t: jnp.asarray(c["weight"]) for t, c in canon.items()}

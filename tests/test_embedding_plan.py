@@ -89,7 +89,33 @@ def test_describe_lists_every_device():
   assert len(text.splitlines()) == 3 + 4
   by_dev = plan.device_bytes()
   assert by_dev["big"] == 50_000 * (64 * 4 + 4)
-  assert all(v > 0 for v in plan.exchange_bytes().values())
+  assert all(v > 0 for u, v in plan.forward_bytes().items() if not u.startswith("replicated"))
+  assert all(v > 0 for v in plan.sync_bytes().values())   # R = 2: every buffer syncs
+
+
+def test_replica_sync_picks_fewer_bytes_and_counts_them():
+  # R = 4 replicas, S = 2 shards, global batch 64 -> b = 8 examples per device.
+  tables = [TableConfig("small", 64, 8, sharding="row_wise"),       # 32 rows per shard
+            TableConfig("huge", 1_000_000, 8, sharding="row_wise")]
+  feats = [FeatureConfig("fs", "small", 2), FeatureConfig("fh", "huge", 2)]
+  plan = plan_embeddings(tables, feats, make_mesh(4, 2), 64)
+  assert plan.buffers["small"].sync == "dense" and plan.buffers["huge"].sync == "rows"
+  # rows: x n x (D+1) x 4 with n = S b bag = 2 x 8 x 2 = 32 gathered slots.
+  assert plan.sync_bytes("rows")["small"] == 3 * 32 * 9 * 4
+  # dense: 2 (R-1)/R x N x (D+1) x 4 with N = 32 local rows (already a multiple of 4).
+  assert plan.sync_bytes("dense")["small"] == int(2 * 3 / 4 * 32 * 9 * 4)
+  assert plan.sync_bytes()["huge"] == 3 * 32 * 9 * 4
+  ex = plan.exchange_bytes()
+  assert ex["sync/small"] == plan.sync_bytes()["small"]
+  assert ex["row_wise.fh"] == plan.forward_bytes()["row_wise.fh"] > 0
+  assert "sync dense" in plan.describe()
+  one = plan_embeddings(tables, feats, make_mesh(1, 2), 16)
+  assert {b.sync for b in one.buffers.values()} == {"none"}
+  assert sum(one.sync_bytes().values()) == 0
+  forced = plan_embeddings(tables, feats, make_mesh(4, 2), 64, replica_sync="rows")
+  assert forced.buffers["small"].sync == "rows"
+  with pytest.raises(ValueError, match="replica_sync must be"):
+    plan_embeddings(tables, feats, make_mesh(4, 2), 64, replica_sync="allreduce")
 
 
 def test_fixed_sharding_types_and_column_split():

@@ -19,10 +19,11 @@ weights, HSDP: FSDP over 'shard', replicated over 'replica'):
 
   embedding all-to-all (shard group)  the plan's forward exchange: ids out,
                                       embeddings back, their gradients out
-  embedding replica sync              the plan's update exchange (row gradients
-                                      all-gathered over 'replica'), or, with
-                                      `emb_sync='allreduce'`, an all-reduce of the
-                                      deduplicated rows: min(plan, 2 x local table)
+  embedding replica sync              the plan's sync (per buffer, row gradients
+                                      all-gathered over 'replica' or the shard's
+                                      gradient reduce-scattered + all-gathered,
+                                      whichever sends fewer bytes); `emb_sync='rows'`
+                                      projects the row all-gather for every buffer
   HSDP all-gathers                    2 x all_gather(P * param_bytes) (forward and
                                       backward re-gather), over 'shard'
   HSDP reduce-scatter                 reduce_scatter(P * grad_bytes) over 'shard'
@@ -79,8 +80,9 @@ class Network:
     return self.all_gather(nbytes_per_device, n, crosses_nodes)
 
   def send(self, nbytes: float, n: int, crosses_nodes: bool | None = None, hops: int = 0) -> float:
-    """`nbytes` already counted as what leaves the device, plus `hops` latencies."""
-    if n <= 1:
+    """`nbytes` already counted as what leaves the device, plus `hops` latencies
+    (nothing to send: no collective, 0 s)."""
+    if n <= 1 or nbytes <= 0:
       return 0.0
     bw, lat = self.link(n, crosses_nodes)
     return nbytes / bw + hops * lat
@@ -92,18 +94,22 @@ class StepVolumes:
 
   Args:
     emb_a2a: embedding forward/backward exchange inside the shard group.
-    emb_sync: embedding replica sync as the plan does it (row gradients all-gathered).
-    emb_sync_allreduce: the same sync as an all-reduce of the local table shard
-      (bytes sent by a ring all-reduce), where cheaper; None: not applicable.
+    emb_sync: embedding replica sync as the plan does it (`EmbeddingPlan.sync_bytes`).
+    emb_sync_rows: the same sync with row gradients all-gathered for every buffer
+      (the alternative, for comparison); None: not computed.
+    emb_sync_mesh, emb_sync_mesh_rows: the same two for replicated tables, whose
+      sync group is the whole mesh (R S devices) instead of 'replica'.
     dense_params: P.
     param_bytes, grad_bytes: bytes per parameter gathered / reduced.
   """
   emb_a2a: float
   emb_sync: float
-  emb_sync_allreduce: float | None
+  emb_sync_rows: float | None
   dense_params: float
   param_bytes: int = 4
   grad_bytes: int = 4
+  emb_sync_mesh: float = 0.0
+  emb_sync_mesh_rows: float = 0.0
 
 
 def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> dict[str, float]:
@@ -111,18 +117,21 @@ def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> di
   R, S = replicas, shards
   shard_cross = S > net.gpus_per_node
   rep_cross = R > 1 and R * S > net.gpus_per_node  # strided groups span the nodes
+  mesh_cross = R * S > net.gpus_per_node
   p = vol.dense_params
   out = {
       "emb_a2a": net.send(vol.emb_a2a, S, shard_cross, hops=3 * (S - 1)),
       "hsdp_all_gather": 2 * net.all_gather(p * vol.param_bytes, S, shard_cross),
       "hsdp_reduce_scatter": net.reduce_scatter(p * vol.grad_bytes, S, shard_cross),
       "replica_all_reduce": net.all_reduce(p * vol.grad_bytes / S, R, rep_cross),
-      "emb_sync": net.send(vol.emb_sync, R, rep_cross, hops=R - 1),
+      # reduce-scatter + all-gather: 2 (R - 1) hops (a row all-gather needs R - 1).
+      "emb_sync": (net.send(vol.emb_sync, R, rep_cross, hops=2 * (R - 1))
+                   + net.send(vol.emb_sync_mesh, R * S, mesh_cross, hops=2 * (R * S - 1))),
   }
-  if vol.emb_sync_allreduce is not None:
-    out["emb_sync_allreduce"] = min(out["emb_sync"],
-                                    net.send(vol.emb_sync_allreduce, R, rep_cross,
-                                             hops=2 * (R - 1)))
+  if vol.emb_sync_rows is not None:
+    out["emb_sync_rows"] = (net.send(vol.emb_sync_rows, R, rep_cross, hops=R - 1)
+                            + net.send(vol.emb_sync_mesh_rows, R * S, mesh_cross,
+                                       hops=R * S - 1))
   return out
 
 
@@ -133,10 +142,9 @@ def project(compute_s: float, terms: dict[str, float], *, emb_sync: str = "plan"
   Args:
     compute_s: single-device step time at this per-device batch (no communication).
     terms: from `step_terms`.
-    emb_sync: 'plan' (the engine's row all-gather) or 'allreduce'.
+    emb_sync: 'plan' (the sync the planner chose) or 'rows' (row all-gathers only).
   """
-  sync = terms["emb_sync_allreduce"] if emb_sync == "allreduce" and "emb_sync_allreduce" in \
-      terms else terms["emb_sync"]
+  sync = terms["emb_sync_rows"] if emb_sync == "rows" else terms["emb_sync"]
   hidden = {"hsdp_all_gather": terms["hsdp_all_gather"],
             "hsdp_reduce_scatter": terms["hsdp_reduce_scatter"],
             "replica_all_reduce": terms["replica_all_reduce"], "emb_sync": sync}

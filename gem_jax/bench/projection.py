@@ -52,7 +52,7 @@ def projection_rows(args, config, facts, b: int, t_compute: float, peak: float,
     terms = network.step_terms(vol, net, R, S)
     row = {"devices": n, "mesh": [R, S], "per_device_batch": b, "compute_s": t_compute,
            **{f"{k}_s": v for k, v in terms.items()}}
-    for sync in ("plan", "allreduce"):
+    for sync in ("plan", "rows"):
       p = network.project(t_compute, terms, emb_sync=sync)
       for k in ("no_overlap", "overlap"):
         st = p[f"step_s_{k}"]
@@ -67,18 +67,18 @@ def projection_rows(args, config, facts, b: int, t_compute: float, peak: float,
 
 def print_rows(rows: list[dict], file=sys.stderr) -> None:
   headers = ["GPUs", "mesh", "compute ms", "emb a2a ms", "HSDP ms", "repl AR ms",
-             "emb sync ms (plan/AR)", "ex/s overlap", "MFU no-ovl", "MFU ovl",
-             "MFU ovl, AR sync", "limit (plan / AR sync)"]
+             "emb sync ms (plan/rows)", "ex/s overlap", "MFU no-ovl", "MFU ovl",
+             "MFU ovl, rows sync", "limit (plan / rows sync)"]
   table = []
   for r in rows:
     hsdp = 1e3 * (r["hsdp_all_gather_s"] + r["hsdp_reduce_scatter_s"])
     table.append([r["devices"], f"{r['mesh'][0]}x{r['mesh'][1]}", 1e3 * r["compute_s"],
                   1e3 * r["emb_a2a_s"], hsdp, 1e3 * r["replica_all_reduce_s"],
-                  f"{1e3 * r['emb_sync_s']:.4g} / {1e3 * r.get('emb_sync_allreduce_s', 0):.4g}",
+                  f"{1e3 * r['emb_sync_s']:.4g} / {1e3 * r.get('emb_sync_rows_s', 0):.4g}",
                   r["plan_overlap_examples_per_s"], f"{100 * r['plan_no_overlap_mfu']:.1f} %",
                   f"{100 * r['plan_overlap_mfu']:.1f} %",
-                  f"{100 * r['allreduce_overlap_mfu']:.1f} %",
-                  f"{r['plan_limit']} / {r['allreduce_limit']}"])
+                  f"{100 * r['rows_overlap_mfu']:.1f} %",
+                  f"{r['plan_limit']} / {r['rows_limit']}"])
   print(network.table_rows(headers, table), file=file)
 
 

@@ -2,7 +2,7 @@
 
 `plan_volumes` builds the config's real embedding plan on an abstract (R, S) mesh
 (no devices needed) for a global batch of b R S and reads its exchange bytes:
-the forward/backward exchange is the R = 1 plan's, the replica sync is the rest.
+`forward_bytes` (the lookup all-to-alls) and `sync_bytes` (the replica sync).
 """
 from __future__ import annotations
 
@@ -41,27 +41,36 @@ def model_facts(config) -> ModelFacts:
                     tuple(tables), tuple(features))
 
 
-def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int):
+def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
+          replica_sync: str | None = None):
   mesh = AbstractMesh((replicas, shards), ("replica", "shard"))
   opt = emb_lib.SparseOptimizerConfig(kind=config.embedding.optimizer, lr=config.embedding.lr)
   budget = config.embedding.get("memory_budget_gb")
   return emb_lib.plan_embeddings(
       list(facts.tables), list(facts.features), mesh,
       batch_size=per_device_batch * replicas * shards, optimizer=opt,
-      memory_budget_bytes=int(budget * 2**30) if budget else None)
+      memory_budget_bytes=int(budget * 2**30) if budget else None,
+      replica_sync=replica_sync or config.embedding.get("replica_sync", "auto"))
 
 
 def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
                  param_bytes: int = 4, grad_bytes: int = 4) -> network.StepVolumes:
-  """Bytes per device per step of the config's plan on an (R, S) mesh (see module doc)."""
-  fwd = sum(_plan(facts, config, 1, shards, per_device_batch).exchange_bytes().values())
+  """Bytes per device per step of the config's plan on an (R, S) mesh: the lookup
+  exchange, the replica sync as planned, and the sync with row gathers only."""
   plan = _plan(facts, config, replicas, shards, per_device_batch)
-  total = sum(plan.exchange_bytes().values())
-  local_grad_bytes = sum(buf.local_rows * buf.local_dim * 4 for buf in plan.buffers.values())
-  allreduce = 2.0 * (replicas - 1) / replicas * local_grad_bytes if replicas > 1 else 0.0
-  return network.StepVolumes(emb_a2a=float(fwd), emb_sync=float(total - fwd),
-                             emb_sync_allreduce=allreduce, dense_params=facts.dense_params,
-                             param_bytes=param_bytes, grad_bytes=grad_bytes)
+  mesh_wide = {n for n, b in plan.buffers.items() if b.kind == "replicated"}
+
+  def split(sync):
+    by = plan.sync_bytes(sync)
+    return (float(sum(v for n, v in by.items() if n not in mesh_wide)),
+            float(sum(v for n, v in by.items() if n in mesh_wide)))
+
+  (sync, sync_mesh), (rows, rows_mesh) = split(None), split("rows")
+  return network.StepVolumes(emb_a2a=float(sum(plan.forward_bytes().values())),
+                             emb_sync=sync, emb_sync_rows=rows,
+                             dense_params=facts.dense_params,
+                             param_bytes=param_bytes, grad_bytes=grad_bytes,
+                             emb_sync_mesh=sync_mesh, emb_sync_mesh_rows=rows_mesh)
 
 
 def describe_sharding(facts: ModelFacts, config, shards: int, per_device_batch: int) -> dict:

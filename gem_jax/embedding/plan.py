@@ -10,6 +10,14 @@ Storage ("buffers", the leaves of the embedding state; S = 'shard' size):
   * a replicated table is a (rows, D) buffer on every device.
 Every buffer is replicated over 'replica'.
 
+Replica sync (`Buffer.sync`, see update.py): how the replicas of a buffer apply
+the same update. 'rows': row gradients all-gathered over the replica group
+(bytes ~ (G - 1) x rows looked up per device: grows with the group size G,
+bounded by the batch); 'dense': the shard's gradient reduce-scattered and
+all-gathered (bytes ~ 2 x the local shard: flat in G, bounded by the table);
+'none': nothing to sync (G = 1). `replica_sync='auto'` picks, per buffer, the
+one that sends fewer bytes, TorchRec's choice for data-parallel tables.
+
 Exchange units (the keys of `rows` and `ctx`): one per table-wise buffer and
 pooling class ('pooled' or 'seq'), and one per feature otherwise.
 """
@@ -44,6 +52,12 @@ class Buffer:
   offsets: tuple[int, ...] = ()  # table_wise: row offset of each table in its block
 
   num_shards: int = 1
+  sync: str = "none"             # none | rows | dense (replica sync, see module doc)
+
+  @property
+  def sync_axes(self) -> tuple[str, ...]:
+    """Mesh axes over which copies of this buffer's rows live."""
+    return ("replica", "shard") if self.kind == "replicated" else ("replica",)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -164,31 +178,51 @@ class EmbeddingPlan:
       out[name] = w + slots
     return out
 
-  def exchange_bytes(self) -> dict[str, int]:
-    """Bytes each device sends per training step, per unit (forward ids and rows out,
-    backward gradients, and the replica gather of row gradients for the update).
+  def buffer_lookup_slots(self) -> dict[str, int]:
+    """Row slots each device gathers per step, per buffer (the row gradients it holds)."""
+    out = {name: 0 for name in self.buffers}
+    for u in self.units.values():
+      out[u.buffer] += int(np.prod(self.unit_rows_shape(u)[:-1]))
+    return out
 
-    All sizes are those of the padded buffers actually moved, counting only the
-    (n-1)/n part that leaves the device.
-    """
-    R, S, b = self.num_replicas, self.num_shards, self.local_batch
+  def forward_bytes(self) -> dict[str, int]:
+    """Bytes each device sends per step for the lookups, per unit: ids out, embeddings
+    back, their gradients out again (padded buffers, the (S-1)/S part that leaves)."""
+    S = self.num_shards
     out = {}
     for name, u in self.units.items():
       buf = self.buffers[u.buffer]
       isz = jnp.dtype(buf.dtype).itemsize
-      ids = layout.nbytes(self.unit_rows_shape(u)[:-1], 4)       # gathered id slots
-      n_rows = ids // 4
-      width = self.unit_rows_shape(u)[-1]
+      shape = self.unit_rows_shape(u)
+      n_rows = int(np.prod(shape[:-1]))
       out_rows = n_rows if not u.pooled else n_rows // u.bag
-      frac_s = (S - 1) / S
-      if u.kind == "replicated":
-        fwd = 0
-        upd = (R * S - 1) * n_rows * (width * 4 + 4)
-      else:
-        # ids in (all_to_all / all_gather), embeddings back, their gradients out again.
-        fwd = frac_s * (ids + 2 * out_rows * width * isz)
-        upd = (R - 1) * n_rows * (width * 4 + 4)
-      out[name] = int(fwd + upd)
+      fwd = 0 if u.kind == "replicated" else (S - 1) / S * (4 * n_rows + 2 * out_rows * shape[-1] * isz)
+      out[name] = int(fwd)
+    return out
+
+  def sync_bytes(self, sync: str | None = None) -> dict[str, int]:
+    """Bytes each device sends per step for the replica sync, per buffer.
+
+    rows:  (G - 1) x n x (D_local + 1) x 4      (all-gather of row ids + fp32 gradients)
+    dense: 2 (G - 1) / G x N_pad x (D_local + 1) x 4  (reduce-scatter + all-gather of the
+           shard's gradient and touch counts, N_pad = local rows rounded up to G)
+    with G the sync group size, n the row slots per device, N the local rows.
+    `sync` overrides the planned kind (to compare the alternatives).
+    """
+    slots = self.buffer_lookup_slots()
+    out = {}
+    for name, buf in self.buffers.items():
+      g = int(np.prod([self.mesh.shape[a] for a in buf.sync_axes]))
+      kind = sync or buf.sync
+      out[name] = 0 if g == 1 or kind == "none" else _sync_bytes(
+          kind, g, slots[name], buf.local_rows, buf.local_dim)
+    return out
+
+  def exchange_bytes(self) -> dict[str, int]:
+    """Bytes each device sends per training step: `forward_bytes` per unit plus
+    `sync_bytes` per buffer (keys 'sync/<buffer>')."""
+    out = dict(self.forward_bytes())
+    out.update({f"sync/{k}": v for k, v in self.sync_bytes().items()})
     return out
 
   def lookups_per_device(self) -> np.ndarray:
@@ -247,8 +281,9 @@ class EmbeddingPlan:
     exch = sum(self.exchange_bytes().values())
     lines = [f"embedding plan: mesh replica={R} x shard={S}, global batch {self.batch_size}, "
              f"optimizer {self.optimizer.kind}",
-             "tables: " + ", ".join(f"{t}({c.rows}x{c.dim} {self.sharding[t]})"
-                                    for t, c in self.tables.items()),
+             "tables: " + ", ".join(
+                 f"{t}({c.rows}x{c.dim} {self.sharding[t]}, "
+                 f"sync {self.buffers[self.buffer_of[t]].sync})" for t, c in self.tables.items()),
              f"{'device':>8} | {'bytes':>14} | {'lookups/step':>12} | {'exchange B/step':>15} | shards held"]
     for j in range(S):
       for r in range(R):
@@ -263,6 +298,32 @@ def _table_bytes(t: TableConfig, opt: SparseOptimizerConfig) -> int:
   return t.rows * (t.dim * jnp.dtype(t.dtype).itemsize + opt.slot_bytes_per_row(t.dim))
 
 
+def _sync_bytes(kind: str, group: int, slots: int, local_rows: int, width: int) -> int:
+  if kind == "rows":
+    return int((group - 1) * slots * (width + 1) * 4)
+  padded = -(-local_rows // group) * group
+  return int(2 * (group - 1) / group * padded * (width + 1) * 4)
+
+
+def _choose_sync(plan: EmbeddingPlan, replica_sync: str) -> EmbeddingPlan:
+  """Sets `Buffer.sync` per buffer ('auto': the kind that sends fewer bytes)."""
+  if replica_sync not in ("auto", "rows", "dense"):
+    raise ValueError(f"replica_sync must be 'auto', 'rows' or 'dense', got {replica_sync!r}")
+  slots = plan.buffer_lookup_slots()
+  new = {}
+  for name, buf in plan.buffers.items():
+    g = int(np.prod([plan.mesh.shape[a] for a in buf.sync_axes]))
+    kind = replica_sync
+    if g == 1:
+      kind = "none"
+    elif kind == "auto":
+      by = {k: _sync_bytes(k, g, slots[name], buf.local_rows, buf.local_dim)
+            for k in ("rows", "dense")}
+      kind = "dense" if by["dense"] < by["rows"] else "rows"
+    new[name] = dataclasses.replace(buf, sync=kind)
+  return dataclasses.replace(plan, buffers=new)
+
+
 def _fits_error(t: TableConfig, kind: str, need: int, budget: int, used: int) -> ValueError:
   return ValueError(
       f"embedding table {t.name!r} ({t.rows} rows x {t.dim} dims, {need:,d} "
@@ -274,12 +335,14 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                     mesh: Mesh, batch_size: int,
                     optimizer: SparseOptimizerConfig | None = None,
                     memory_budget_bytes: int | None = None,
-                    replicate_max_bytes: int = REPLICATE_MAX_BYTES) -> EmbeddingPlan:
+                    replicate_max_bytes: int = REPLICATE_MAX_BYTES,
+                    replica_sync: str = "auto") -> EmbeddingPlan:
   """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
 
   'auto' tables become 'replicated' when tiny (<= replicate_max_bytes with slots),
   'table_wise' when they fit one device's remaining budget, else 'row_wise'.
   Table-wise tables are balanced over shards by cost = bytes share + lookups share.
+  `replica_sync` ('auto' | 'rows' | 'dense') sets how replicas sync (module doc).
 
   Raises:
     ValueError naming the table, its size and the budget when it does not fit;
@@ -390,5 +453,6 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     name = f"{bname}.{'pooled' if pooled else 'seq'}"
     units[name] = Unit(name, "table_wise", bname, tuple(f.name for f in fs), pooled,
                        max(f.bag for f in fs), tuple(tuple(s) for s in slots))
-  return EmbeddingPlan(mesh, tables, features, opt, batch_size, sharding, buffers, units,
+  plan = EmbeddingPlan(mesh, tables, features, opt, batch_size, sharding, buffers, units,
                        buffer_of)
+  return _choose_sync(plan, replica_sync)

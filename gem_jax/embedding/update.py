@@ -1,18 +1,34 @@
 """`apply_sparse_updates`: row gradients -> deduplicated in-place optimizer steps.
 
 Replica consistency. Each replica group computed row gradients for its own part
-of the batch, on the owners of the rows. Instead of all-reducing tables, each
-owner all-gathers the (row, gradient) pairs of the same buffer block from the
-other replicas (`all_gather` over 'replica': R x the per-device row count, a
-size set by the batch, not the table), then every replica deduplicates and
-applies exactly the same computation to exactly the same inputs, so replicas
-stay bit-identical (an all-reduce is not guaranteed to give bitwise identical
-sums on every participant; a gather followed by the same local sum is).
-Replicated tables gather over ('replica', 'shard') the same way.
+of the batch, on the owners of the rows. Every holder of a buffer block must
+apply the same update, bit for bit, without moving the table. Two ways, chosen
+per buffer by the planner (`Buffer.sync`, the one that sends fewer bytes):
 
-Worked example (R = 2, S = 1, one table): replica 0 looked up rows [4, 7],
-replica 1 rows [7, .]; after the gather both hold rows [4, 7, 7, .] with their
-gradients, dedup gives [4, 7] with g7 = g7' + g7'', and both apply it.
+'rows' (bounded by the batch): each owner all-gathers the (row, gradient) pairs
+of the same block from the other replicas (`all_gather` over 'replica': R x the
+per-device row count), then every replica deduplicates and applies exactly the
+same computation to exactly the same inputs. An all-reduce is not guaranteed to
+give bitwise identical sums on every participant; a gather followed by the same
+local sum is.
+  Worked example (R = 2, S = 1, one table): replica 0 looked up rows [4, 7],
+  replica 1 rows [7, .]; after the gather both hold rows [4, 7, 7, .] with their
+  gradients, dedup gives [4, 7] with g7 = g7' + g7'', and both apply it.
+
+'dense' (bounded by the table shard; for small shards and many replicas, where
+R x the looked-up rows exceeds the shard): each device scatter-adds its row
+gradients and a touch count into a (N, D + 1) buffer of its local rows, the
+buffer is reduce-scattered over the replica group (replica r sums rows
+[r N/R, (r+1) N/R)) and all-gathered back, so each sum is computed once and
+copied, again bit-identical everywhere; the rows with a non-zero count are
+updated. Bytes sent: 2 (R - 1) / R x N (D + 1) x 4, flat in R.
+  Worked example (R = 2, N = 4 local rows): replica 0 looked up row 1, replica 1
+  rows [1, 3]; each scatters into its (4, D + 1) buffer; the reduce-scatter has
+  replica 0 sum rows 0-1 (row 1: g1 + g1', count 2) and replica 1 rows 2-3
+  (row 3: g3', count 1); after the all-gather both hold the same 4 rows and
+  update rows 1 and 3.
+
+Replicated tables sync over ('replica', 'shard') the same way.
 
 Column-wise tables keep one row-wise Adagrad accumulator per row (FBGEMM
 semantics over the full width D): each shard sums g^2 over its columns, the
@@ -28,6 +44,34 @@ from jax.sharding import PartitionSpec as P
 from gem_jax.embedding.exchange import DEV
 from gem_jax.embedding.optimizers import apply_rows, dedup_rows
 from gem_jax.embedding.plan import EmbeddingPlan
+
+
+def _group_size(plan: EmbeddingPlan, axes) -> int:
+  size = 1
+  for a in axes:
+    size *= plan.mesh.shape[a]
+  return size
+
+
+def _sync(plan: EmbeddingPlan, buf, rows, g):
+  """Local (rows, grads) -> (unique rows, summed grads) of the whole replica group."""
+  axes = buf.sync_axes
+  if buf.sync == "dense" and _group_size(plan, axes) > 1:
+    G = _group_size(plan, axes)
+    n_pad = -(-buf.local_rows // G) * G
+    safe = jnp.where(rows >= 0, rows, n_pad)
+    dense = jnp.zeros((n_pad, g.shape[1] + 1), jnp.float32)
+    dense = dense.at[safe].add(jnp.concatenate([g, jnp.ones_like(g[:, :1])], axis=1),
+                               mode="drop")                           # (N_pad, Dl + 1)
+    dense = jax.lax.psum_scatter(dense, axes, scatter_dimension=0, tiled=True)  # (N_pad/G, .)
+    dense = jax.lax.all_gather(dense, axes, axis=0, tiled=True)       # (N_pad, Dl + 1)
+    touched = dense[:buf.local_rows, -1] > 0
+    uniq = jnp.where(touched, jnp.arange(buf.local_rows, dtype=jnp.int32), -1)
+    return uniq, jnp.where(touched[:, None], dense[:buf.local_rows, :-1], 0.0)
+  if buf.sync == "rows" and _group_size(plan, axes) > 1:
+    rows = jax.lax.all_gather(rows, axes, axis=0, tiled=True)         # (G n,) same everywhere
+    g = jax.lax.all_gather(g, axes, axis=0, tiled=True)               # (G n, Dl)
+  return dedup_rows(rows, g)
 
 
 def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
@@ -57,11 +101,7 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
       rows = jnp.concatenate([row_idx[u.name][0, 0].reshape(-1) for u in units])  # (n,)
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
                            for u in units])                                     # (n, Dl)
-      axes = ("replica", "shard") if buf.kind == "replicated" else ("replica",)
-      if any(plan.mesh.shape[a] > 1 for a in axes):
-        rows = jax.lax.all_gather(rows, axes, axis=0, tiled=True)     # (R n,) same everywhere
-        g = jax.lax.all_gather(g, axes, axis=0, tiled=True)           # (R n, Dl)
-      uniq, gsum = dedup_rows(rows, g)
+      uniq, gsum = _sync(plan, buf, rows, g)
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum

@@ -113,7 +113,8 @@ def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | Non
   try:
     return emb_lib.plan_embeddings(
         tables, features, mesh, batch_size=batch_size, optimizer=sparse_optimizer(emb_cfg),
-        memory_budget_bytes=int(budget * 2**30) if budget else None)
+        memory_budget_bytes=int(budget * 2**30) if budget else None,
+        replica_sync=emb_cfg.get("replica_sync", "auto"))
   except ValueError as e:
     raise ConfigError(f"embedding plan: {e}") from None
 
