@@ -7,10 +7,23 @@ bag (sum pooling), Zipf(1.1) raw ids hashed into range, row-wise Adagrad, on an
 8-device CPU mesh (forced host devices). One step = gather_rows + pool_rows +
 backward to the rows + apply_sparse_updates, jitted once with the state donated.
 Sizes are timed in interleaved rounds. Prints one line per size (JSON with --json).
+
+Host memory: the script re-executes itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+(glibc >= 2.35) so that large buffers get transparent huge pages (on machines whose
+THP mode is 'madvise'); random row accesses into a multi-GB table then miss the
+TLB far less often. `--no-hugepages` keeps 4 KiB pages (to compare).
 """
 from __future__ import annotations
 
 import os
+import sys
+
+_TUNABLE = "glibc.malloc.hugetlb=1"
+if __name__ == "__main__" and "--no-hugepages" not in sys.argv and \
+    _TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
+  os.environ["GLIBC_TUNABLES"] = ":".join(
+      t for t in (os.environ.get("GLIBC_TUNABLES", ""), _TUNABLE) if t)
+  os.execv(sys.executable, [sys.executable] + sys.argv)   # glibc reads tunables at start-up
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -79,6 +92,18 @@ def timed_step(run: dict, i: int) -> None:
   run["times"].append((time.perf_counter() - t0) * 1e3)
 
 
+def _anon_hugepages_mb() -> float:
+  """Transparent huge pages this process holds now (Linux), in MB; -1 if unknown."""
+  try:
+    with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("AnonHugePages:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return -1.0
+
+
 def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
@@ -91,6 +116,9 @@ def summary(run: dict, args) -> dict:
       "table_bytes": int(run["rows"] * args.dim * 4),
       "peak_rss_mb": run["peak_rss_mb"], "init_s": run["init_s"],
       "compile_s": run["compile_s"], "loss": float(run["loss"]),
+      "hugepages": _TUNABLE in os.environ.get("GLIBC_TUNABLES", ""),
+      "anon_hugepages_mb": _anon_hugepages_mb(),
+      "loadavg_1m": os.getloadavg()[0],
   }
 
 
@@ -109,6 +137,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--json", action="store_true", help="one JSON object per line")
+  p.add_argument("--no-hugepages", action="store_true",
+                 help="do not ask glibc for transparent huge pages (see module doc)")
   args = p.parse_args(argv)
   # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
   # then timed in interleaved rounds, so that load from other processes drifts

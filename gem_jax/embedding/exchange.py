@@ -1,4 +1,4 @@
-"""Sharded lookups: ids -> owners -> local gather (`gather_rows`) -> pool -> back (`pool_rows`).
+"""Sharded lookups: ids -> owners -> dedup + local gather (`gather_rows`) -> pool -> back (`pool_rows`).
 
 Everything runs inside one `jax.shard_map` over the mesh ('replica', 'shard'):
 the batch is split over both axes (b = B / (R S) examples per device), tables
@@ -86,15 +86,14 @@ def _tw_send(plan, u: Unit, per_feature, fill, dtype):
   return jnp.stack(blocks)   # (S, P, b, bag)
 
 
-def _tw_gather(plan, u: Unit, w, ids):
+def _tw_rows(plan, u: Unit, ids):
   buf = plan.buffers[u.buffer]
   local_rows = {}
   for f in u.features:
     i = buf.tables.index(plan.features[f].table)
     local_rows[f] = jnp.where(ids[f] >= 0, ids[f] + buf.offsets[i], -1)
   send = _tw_send(plan, u, local_rows, -1, jnp.int32)        # (S, P, b, bag)
-  recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)  # (S, P, b, bag) from each source
-  return _masked_take(w, recv), recv                          # (S, P, b, bag, D)
+  return jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)  # (S, P, b, bag) from each source
 
 
 def _tw_pool(plan, u: Unit, rows, row_idx, weights):
@@ -126,13 +125,12 @@ def _tw_pool(plan, u: Unit, rows, row_idx, weights):
 
 
 # ---- row_wise ----------------------------------------------------------------------
-def _rw_gather(plan, u: Unit, w, ids):
+def _rw_rows(plan, u: Unit, ids):
   ids = ids[u.features[0]]
   rps = plan.buffers[u.buffer].local_rows
   g = jax.lax.all_gather(ids, "shard", axis=0, tiled=True)   # (S b, bag) all bags of the group
   local = g - jax.lax.axis_index("shard") * rps
-  row = jnp.where((g >= 0) & (local >= 0) & (local < rps), local, -1)
-  return _masked_take(w, row), row                            # (S b, bag, D)
+  return jnp.where((g >= 0) & (local >= 0) & (local < rps), local, -1)  # (S b, bag)
 
 
 def _rw_pool(plan, u: Unit, rows, row_idx, weights):
@@ -151,10 +149,9 @@ def _rw_pool(plan, u: Unit, rows, row_idx, weights):
 
 
 # ---- column_wise -------------------------------------------------------------------
-def _cw_gather(plan, u: Unit, w, ids):
+def _cw_rows(plan, u: Unit, ids):
   g = jax.lax.all_gather(ids[u.features[0]], "shard", axis=0, tiled=True)  # (S b, bag)
-  row = jnp.where(g >= 0, g, -1)
-  return _masked_take(w, row), row                           # (S b, bag, cps)
+  return jnp.where(g >= 0, g, -1)
 
 
 def _cw_pool(plan, u: Unit, rows, row_idx, weights):
@@ -176,9 +173,8 @@ def _cw_pool(plan, u: Unit, rows, row_idx, weights):
 
 
 # ---- replicated --------------------------------------------------------------------
-def _rep_gather(plan, u: Unit, w, ids):
-  row = ids[u.features[0]]
-  return _masked_take(w, row), row                           # (b, bag, D)
+def _rep_rows(plan, u: Unit, ids):
+  return ids[u.features[0]]                                  # (b, bag)
 
 
 def _rep_pool(plan, u: Unit, rows, row_idx, weights):
@@ -189,8 +185,8 @@ def _rep_pool(plan, u: Unit, rows, row_idx, weights):
   return {f: rows * wts[..., None]}
 
 
-_GATHER = {"table_wise": _tw_gather, "row_wise": _rw_gather, "column_wise": _cw_gather,
-           "replicated": _rep_gather}
+_ROWS = {"table_wise": _tw_rows, "row_wise": _rw_rows, "column_wise": _cw_rows,
+         "replicated": _rep_rows}
 _POOL = {"table_wise": _tw_pool, "row_wise": _rw_pool, "column_wise": _cw_pool,
          "replicated": _rep_pool}
 
@@ -204,8 +200,21 @@ def _undev(x):
   return x[0, 0]
 
 
+def _unique(idx):
+  """Local rows per slot (any shape, -1 = none) -> (sorted unique rows (n,), -1 padded;
+  inverse (same shape as idx): position of each slot's row in the unique list)."""
+  flat = idx.reshape(-1)
+  uniq, inv = jnp.unique(flat, size=flat.shape[0], fill_value=-1, return_inverse=True)
+  return uniq.astype(jnp.int32), inv.reshape(idx.shape).astype(jnp.int32)
+
+
 def gather_rows(plan: EmbeddingPlan, state, ids):
-  """ids -> owners -> local gather. Call inside or outside jit.
+  """ids -> owners -> deduplicated local gather. Call inside or outside jit.
+
+  Each owner gathers every distinct row it serves once, in ascending row order
+  (Zipf ids: about half the slots are repeats), and the gradient of the lookup
+  arrives per distinct row (the backward of `pool_rows`' expansion sums the
+  repeats in a small (n, D) buffer), ready for `apply_sparse_updates`.
 
   Args:
     plan: the embedding plan.
@@ -213,10 +222,13 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
     ids: {feature: int32 (B, bag)} from `prepare_ids`, -1 = padding, sharded
       like `plan.ids_shardings()`.
   Returns:
-    rows: {unit: (R, S, ...per-device rows..., D_local)}, the differentiable leaf;
-    ctx: {'row': {unit: int32 (R, S, ...)} row of each gathered id in its owner's
-      local buffer (-1: none), 'count': {feature: float32 (B,)} valid ids of
-      'mean' features}.
+    rows: {unit: (R, S, n, D_local)}, the distinct rows each device gathered
+      (n = the unit's id slots per device, zero rows at padding): the
+      differentiable leaf;
+    ctx: {'row': {unit: int32 (R, S, n)} those rows' indices in the owner's local
+      buffer (ascending, -1: none), 'inv': {unit: int32 (R, S, ...slots)} the
+      position in `row` of every id slot, 'count': {feature: float32 (B,)}
+      valid ids of 'mean' features}.
   """
   weights_in = {name: state[name]["weight"] for name in plan.buffers}
   w_specs = {name: buf.weight_spec() for name, buf in plan.buffers.items()}
@@ -224,15 +236,17 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   mean_feats = [f for f, c in plan.features.items() if c.pooling == "mean"]
 
   def body(weights, ids):
-    rows, row_idx = {}, {}
+    rows, uniq_rows, inverse = {}, {}, {}
     for name, u in plan.units.items():
-      r, idx = _GATHER[u.kind](plan, u, weights[u.buffer], ids)
-      rows[name], row_idx[name] = _dev(r), _dev(idx)
+      uniq, inv = _unique(_ROWS[u.kind](plan, u, ids))
+      rows[name] = _dev(_masked_take(weights[u.buffer], uniq))       # (1, 1, n, Dl)
+      uniq_rows[name], inverse[name] = _dev(uniq), _dev(inv)
     count = {f: jnp.sum(ids[f] >= 0, axis=1).astype(jnp.float32) for f in mean_feats}
-    return rows, {"row": row_idx, "count": count}
+    return rows, {"row": uniq_rows, "inv": inverse, "count": count}
 
-  out_specs = ({n: DEV for n in plan.units},
-               {"row": {n: DEV for n in plan.units}, "count": {f: P(BATCH) for f in mean_feats}})
+  per_unit = {n: DEV for n in plan.units}
+  out_specs = (per_unit, {"row": per_unit, "inv": per_unit,
+                          "count": {f: P(BATCH) for f in mean_feats}})
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs), out_specs=out_specs)
   return fn(weights_in, {f: ids[f] for f in plan.features})
 
@@ -251,20 +265,23 @@ def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
   weights = {f: w for f, w in (weights or {}).items() if f in plan.features}
   w_specs = {f: P(BATCH, None) for f in weights}
 
-  def body(rows, row_idx, count, weights):
+  def body(rows, uniq, inv, count, weights):
     out = {}
     for name, u in plan.units.items():
-      out.update(_POOL[u.kind](plan, u, _undev(rows[name]), _undev(row_idx[name]), weights))
+      slot_inv = _undev(inv[name])
+      slot_rows = jnp.take(_undev(rows[name]), slot_inv, axis=0)       # (...slots, Dl)
+      slot_idx = jnp.take(_undev(uniq[name]), slot_inv, axis=0)        # (...slots)
+      out.update(_POOL[u.kind](plan, u, slot_rows, slot_idx, weights))
     for f, c in count.items():
       out[f] = out[f] / jnp.maximum(c, 1.0)[:, None].astype(out[f].dtype)
     return out
 
   out_specs = {f: (P(BATCH, None) if c.pooling != "none" else P(BATCH, None, None))
                for f, c in plan.features.items()}
-  in_specs = ({n: DEV for n in plan.units}, {n: DEV for n in plan.units},
-              {f: P(BATCH) for f in ctx["count"]}, w_specs)
+  per_unit = {n: DEV for n in plan.units}
+  in_specs = (per_unit, per_unit, per_unit, {f: P(BATCH) for f in ctx["count"]}, w_specs)
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)
-  return fn(rows, ctx["row"], ctx["count"], weights)
+  return fn(rows, ctx["row"], ctx["inv"], ctx["count"], weights)
 
 
 def lookup(plan: EmbeddingPlan, state, ids, weights=None):

@@ -53,8 +53,9 @@ def _group_size(plan: EmbeddingPlan, axes) -> int:
   return size
 
 
-def _sync(plan: EmbeddingPlan, buf, rows, g):
-  """Local (rows, grads) -> (unique rows, summed grads) of the whole replica group."""
+def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
+  """Local (rows, grads) -> (unique rows, summed grads) of the whole replica group.
+  `unique`: the local rows are already distinct (one unit: `gather_rows` deduplicated)."""
   axes = buf.sync_axes
   if buf.sync == "dense" and _group_size(plan, axes) > 1:
     G = _group_size(plan, axes)
@@ -71,7 +72,8 @@ def _sync(plan: EmbeddingPlan, buf, rows, g):
   if buf.sync == "rows" and _group_size(plan, axes) > 1:
     rows = jax.lax.all_gather(rows, axes, axis=0, tiled=True)         # (G n,) same everywhere
     g = jax.lax.all_gather(g, axes, axis=0, tiled=True)               # (G n, Dl)
-  return dedup_rows(rows, g)
+    unique = False
+  return (rows, g) if unique else dedup_rows(rows, g)
 
 
 def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
@@ -98,10 +100,10 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
         new[name] = state[name]
         continue
       width = buf.local_dim
-      rows = jnp.concatenate([row_idx[u.name][0, 0].reshape(-1) for u in units])  # (n,)
+      rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
                            for u in units])                                     # (n, Dl)
-      uniq, gsum = _sync(plan, buf, rows, g)
+      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1)
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum
