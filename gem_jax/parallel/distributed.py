@@ -10,8 +10,13 @@ NCCL on GPUs and gloo on CPU. How a process learns its place, first match wins:
      local launcher `scripts/launch_local.sh` and the tests use these);
   2. `--distributed=auto` (env GEM_JAX_DISTRIBUTED=auto): JAX detects the cluster
      (SLURM, Open MPI, Cloud TPU, ...); `--distributed=slurm|mpi4py|...` names
-     the detection method;
-  3. nothing: a single-process run; `jax.distributed` is not touched.
+     the detection method. Under SLURM and Open MPI, JAX also pins each process
+     to the one local device numbered by its local rank (one process per GPU);
+     for one process per node set JAX_LOCAL_DEVICE_IDS=0,1,...,7 or use (1);
+  3. nothing: a single-process run; `jax.distributed` is not touched. If the
+     environment shows a SLURM step or an `mpirun` job of several tasks, that
+     is an error (every task would train alone on the same workdir); pass
+     `--distributed=none` to run them as independent single-process runs.
 
 Failure detection (`Timeouts`): every process sends heartbeats to the
 coordinator; one that misses them for `heartbeat_timeout_s` is declared dead and
@@ -94,7 +99,8 @@ def settings_from_flags_and_env(env: Mapping[str, str] | None = None) -> Distrib
   coord = _flag(_COORD, env, "GEM_JAX_COORDINATOR")
   nproc = _flag(_NPROC, env, "GEM_JAX_NUM_PROCESSES", int)
   pid = _flag(_PID, env, "GEM_JAX_PROCESS_ID", int)
-  mode = _flag(_MODE, env, "GEM_JAX_DISTRIBUTED") or "none"
+  asked = _flag(_MODE, env, "GEM_JAX_DISTRIBUTED")
+  mode = asked or "none"
   d = Timeouts()
   timeouts = Timeouts(
       heartbeat_s=_flag(_HEARTBEAT, env, "GEM_JAX_HEARTBEAT_TIMEOUT_S", int) or d.heartbeat_s,
@@ -110,7 +116,31 @@ def settings_from_flags_and_env(env: Mapping[str, str] | None = None) -> Distrib
     return DistributedSettings("explicit", coord, nproc, pid, timeouts)
   if mode not in ("none", "", "off"):
     return DistributedSettings(mode, None, nproc, pid, timeouts)
+  launcher = launcher_tasks(env)
+  if asked is None and launcher is not None and launcher[1] > 1:
+    name, n = launcher
+    raise ValueError(
+        f"started by {name} as one of {n} tasks, but no multi-process setup was asked for: "
+        f"pass --distributed=auto (or GEM_JAX_DISTRIBUTED=auto: JAX's {name} detection) or "
+        "--coordinator_address/--num_processes/--process_id; --distributed=none runs every "
+        "task as an independent single-process run")
   return DistributedSettings("none", timeouts=timeouts)
+
+
+def launcher_tasks(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+  """('slurm' | 'ompi', number of tasks) if `env` is a SLURM step or an Open MPI job.
+
+  The same variables JAX's own detection reads (`jax._src.clusters.SlurmCluster`,
+  `OmpiCluster`), Open MPI first as there.
+  """
+  env = os.environ if env is None else env
+  if "OMPI_MCA_orte_hnp_uri" in env and env.get("OMPI_COMM_WORLD_SIZE", "").isdigit():
+    return "ompi", int(env["OMPI_COMM_WORLD_SIZE"])
+  slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+           "SLURM_LOCALID")
+  if all(k in env for k in slurm) and env["SLURM_NTASKS"].isdigit():
+    return "slurm", int(env["SLURM_NTASKS"])
+  return None
 
 
 def initialize(settings: DistributedSettings) -> bool:
