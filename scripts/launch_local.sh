@@ -18,6 +18,9 @@
 #   GEM_JAX_HEARTBEAT_TIMEOUT_S, GEM_JAX_INIT_TIMEOUT_S, GEM_JAX_STEP_TIMEOUT_S:
 #                   failure detection bounds (defaults here: 20, 120, 0 = watchdog off)
 #
+# The launcher writes "launch_local: process I: pid P" to its stderr for each process
+# (to signal one of them: SIGTERM = preemption, SIGSTOP = a hang, as the tests do).
+#
 # Exit status: 0 if every process succeeded, else the first non-zero status. When
 # one process fails the others stop by themselves (heartbeat / collective errors,
 # step watchdog); after GEM_JAX_KILL_AFTER_S more seconds (default 120) any left
@@ -58,6 +61,7 @@ for ((i = 0; i < n; i++)); do
                                mkdir -p "$GEM_JAX_LOG_DIR"; cat > "$GEM_JAX_LOG_DIR/process_$i.log"
                              else cat >&2; fi) &
   pids+=($!)
+  echo "launch_local: process $i: pid $!" >&2
 done
 
 status=0

@@ -1,9 +1,12 @@
 """Multi-host building blocks, in one process: settings from flags/env, data
-positions in checkpoints, per-process id preparation, the step watchdog."""
+positions in checkpoints, per-process id preparation, the step watchdog and its
+peer report."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -117,6 +120,72 @@ def test_stalled_process_exits_nonzero_with_its_step():
   assert "StepWatchdog" in proc.stderr or "Thread" in proc.stderr  # the stacks are dumped
 
 
+class FakeClock:
+  def __init__(self, t=1000.0):
+    self.t = t
+
+  def __call__(self):
+    return self.t
+
+
+def _board(store, index, count, clock):
+  return wd.PeerBoard(store.__setitem__,
+                      lambda prefix: [(k, v) for k, v in store.items() if k.startswith(prefix)],
+                      index, count, clock)
+
+
+def test_peer_board_names_the_silent_peer():
+  store, clock = {}, FakeClock()
+  boards = [_board(store, i, 3, clock) for i in range(3)]
+  boards[1].publish(7)                       # then process 1 stops (SIGSTOP)
+  clock.t += 12
+  boards[0].publish(7)
+  boards[2].publish(7)
+  assert boards[0].read() == {0: {"step": 7, "time": 1012.0}, 1: {"step": 7, "time": 1000.0},
+                              2: {"step": 7, "time": 1012.0}}
+  text = boards[0].describe(stale_s=6, wait_s=1)
+  assert text == ("stalled: process 1 (silent for 12 s, last reported step 7); "
+                  "alive: process 2 (last reported step 7)")
+  assert _board({}, 0, 2, clock).describe(6, 1) == ("stalled: process 1 (never reported); "
+                                                     "alive: none")
+
+
+def test_peer_board_gives_up_on_a_store_that_does_not_answer():
+  hang = threading.Event()
+  board = wd.PeerBoard(lambda k, v: None, lambda prefix: hang.wait(30) and [], 1, 2)
+  t0 = time.monotonic()
+  text = board.describe(stale_s=6, wait_s=0.3)
+  hang.set()
+  assert time.monotonic() - t0 < 5
+  assert "peer states unknown" in text and "did not answer within 0.3 s" in text
+  failing = wd.PeerBoard(lambda k, v: None, lambda prefix: 1 / 0, 1, 2)
+  assert "failed: division by zero" in failing.describe(6, 1)
+
+
+def test_watchdog_message_names_the_stalled_peer():
+  store, messages = {}, []
+  peer = _board(store, 1, 2, time.time)
+  peer.publish(4)                            # the peer's last sign of life
+  dog = wd.StepWatchdog(0.6, step=4, process_index=0, process_count=2,
+                        on_stall=messages.append, poll_s=0.05,
+                        board=_board(store, 0, 2, time.time), publish_s=0.1)
+  time.sleep(1.5)
+  dog.stop()
+  assert len(messages) == 1
+  assert "[process 0/2] step watchdog: no progress" in messages[0]
+  assert "after step 4 (stalled in step 5" in messages[0]
+  assert re.search(r"stalled: process 1 \(silent for \d+ s, last reported step 4\); "
+                   r"alive: none; exiting with status 75$", messages[0]), messages[0]
+  assert '"step": 4' in store[wd.PEER_KEY_PREFIX + "0"]  # this process published too
+
+
+def test_watchdog_without_jax_distributed_has_no_board():
+  assert wd.PeerBoard.from_jax() is None
+  dog = wd.StepWatchdog.from_env(env={"GEM_JAX_STEP_TIMEOUT_S": "30"})
+  assert dog.enabled and dog.board is None
+  dog.stop()
+
+
 # ------------------------------------------------------------------ launcher --
 
 FAKE_TRAIN = """
@@ -147,6 +216,8 @@ def test_launcher_sets_each_process_up_and_returns_the_failure(tmp_path):
   assert sorted(proc.stdout.splitlines()) == [
       f"127.0.0.1:12345 3 {i} --xla_force_host_platform_device_count=2 ['--config', 'c.py']"
       for i in range(3)]
+  assert [ln.split(": pid ")[0] for ln in proc.stderr.splitlines() if ": pid " in ln] == [
+      f"launch_local: process {i}" for i in range(3)]
 
 
 def test_launcher_kills_a_hung_peer_after_a_failure(tmp_path):
