@@ -58,7 +58,7 @@ def _step_weight(w, idx, delta):
 
 
 def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.Array,
-               g2_mean: jax.Array, lr) -> dict:
+               g2_mean: jax.Array, lr, enabled=None) -> dict:
   """One optimizer step on the unique rows `uniq` of a local buffer.
 
   Args:
@@ -68,9 +68,13 @@ def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.
     g: float32 (n, D) summed row gradients.
     g2_mean: float32 (n,) mean over the table's full width of g^2 (row-wise Adagrad).
     lr: learning rate (python float or traced scalar).
+    enabled: optional traced bool: False turns the step into a no-op (no row and
+      no slot changes, without copying the buffers).
   Returns:
     The updated `slots` dict.
   """
+  if enabled is not None:
+    uniq = jnp.where(enabled, uniq, -1)
   w = slots["weight"]
   out = dict(slots)
   if opt.kind == "sgd":
@@ -80,7 +84,7 @@ def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.
     out["accumulator"] = _put(slots["accumulator"], uniq, s)
     out["weight"] = _step_weight(w, uniq, lr * g / (jnp.sqrt(s)[:, None] + opt.eps))
   elif opt.kind == "adam":
-    t = slots["step"] + 1
+    t = slots["step"] + (1 if enabled is None else enabled.astype(slots["step"].dtype))
     m = opt.beta1 * _take(slots["m"], uniq) + (1 - opt.beta1) * g
     v = opt.beta2 * _take(slots["v"], uniq) + (1 - opt.beta2) * g * g
     tf = t.astype(jnp.float32)

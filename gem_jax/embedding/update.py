@@ -76,7 +76,7 @@ def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
   return (rows, g) if unique else dedup_rows(rows, g)
 
 
-def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
+def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, enabled=None):
   """Applies d loss / d rows to the owning shards, in place.
 
   Args:
@@ -85,6 +85,8 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
     ctx: the `ctx` returned by `gather_rows` for these rows.
     row_grads: {unit: gradient}, the same structure as `rows`.
     lr: learning rate overriding `plan.optimizer.lr` (may be traced, for schedules).
+    enabled: optional bool scalar (traced): False skips the update (e.g. a
+      non-finite loss) without a table-sized select.
   Returns:
     The updated state (same structure and shardings).
   """
@@ -92,7 +94,7 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
   lr = jnp.asarray(opt.lr if lr is None else lr, jnp.float32)
   specs = plan.state_specs()
 
-  def body(state, row_idx, grads, lr):
+  def body(state, row_idx, grads, lr, enabled):
     new = {}
     for name, buf in plan.buffers.items():
       units = [u for u in plan.units.values() if u.buffer == name]
@@ -107,12 +109,13 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None):
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum
-      new[name] = apply_rows(opt, state[name], uniq, gsum, g2 / buf.dim, lr)
+      new[name] = apply_rows(opt, state[name], uniq, gsum, g2 / buf.dim, lr, enabled)
     return new
 
-  in_specs = (specs, {n: DEV for n in plan.units}, {n: DEV for n in plan.units}, P())
+  enabled = jnp.asarray(True if enabled is None else enabled, bool)
+  in_specs = (specs, {n: DEV for n in plan.units}, {n: DEV for n in plan.units}, P(), P())
   # check_vma=False: the outputs are replicated over 'replica' (and, for the
   # column-wise accumulator, over 'shard') by construction: every holder of a
   # block computes on identical gathered inputs (tested bitwise).
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
-  return fn(state, ctx["row"], row_grads, lr)
+  return fn(state, ctx["row"], row_grads, lr, enabled)

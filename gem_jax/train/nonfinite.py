@@ -4,8 +4,9 @@ Inside the step (every mode):
 
   new, m = train_step(state, batch)
   ok     = isfinite(loss) & isfinite(||g_dense||)          (one scalar each)
-  state' = ok ? new : state (params, model_state, optimizer moments, tables, slots)
-           with step + 1, the RNG advanced and skipped += !ok
+  state' = ok ? new : state (params, optimizer moments: a select; tables and
+           slots: the sparse update is disabled, no copy), with step + 1, the
+           RNG advanced and skipped += !ok
 
 so a bad batch never changes the model (optax's own update count, which drives
 the dense lr schedule, stays behind `state.step` by the skipped steps); `skipped` lives in the optimizer state
@@ -26,9 +27,10 @@ On the host, `train.nonfinite` picks what happens next:
 'rollback' and 'stop' read the two flags every step (one small device->host
 transfer per step). The embedding gradients are not checked on their own: a
 non-finite value anywhere in the forward pass reaches the loss and the dense
-gradients. Cost of the guard: the select keeps the pre-step state alive next
-to the new one (the in-place table update becomes a copy), see
-docs/RELIABILITY.md.
+gradients. Cost of the guard: a select over the dense params and optimizer
+moments; the tables are not selected: a bad step turns the sparse update into
+a no-op (`apply_sparse_updates(..., enabled=ok)`), so they stay updated in
+place.
 """
 from __future__ import annotations
 
@@ -86,19 +88,13 @@ def guarded_train_step(state: TrainState, batch: dict, *, cfg: step_lib.StepConf
   """
   if inject_nan_step:
     batch = _inject_nan(batch, state.step + 1 == inject_nan_step)
-  new, m = step_lib.train_step(state, batch, cfg=cfg)
+  new, m = step_lib.train_step(state, batch, cfg=cfg, skip_nonfinite=True)
   bad_loss = ~jnp.isfinite(m["train_loss"])
   bad_grad = ~jnp.isfinite(m["grad_norm"])
   ok = ~(bad_loss | bad_grad)
-  keep = lambda n, o: jnp.where(ok, n, o)  # noqa: E731
   *inner, count = new.opt_state
-  *old_inner, _ = state.opt_state
-  opt_state = (*jax.tree.map(keep, tuple(inner), tuple(old_inner)),
-               SkipCountState(count.skipped + (~ok).astype(jnp.int32)))
-  out = new.replace(params=jax.tree.map(keep, new.params, state.params),
-                    model_state=jax.tree.map(keep, new.model_state, state.model_state),
-                    emb=jax.tree.map(keep, new.emb, state.emb),
-                    opt_state=type(new.opt_state)(opt_state))
+  opt_state = (*inner, SkipCountState(count.skipped + (~ok).astype(jnp.int32)))
+  out = new.replace(opt_state=type(new.opt_state)(opt_state))
   m = dict(m, train_loss=jnp.where(bad_loss, 0.0, m["train_loss"]),
            grad_norm=jnp.where(bad_grad, 0.0, m["grad_norm"]),
            nonfinite_loss=bad_loss.astype(jnp.float32),

@@ -128,8 +128,15 @@ def dense_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int
   return loss, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
 
 
-def train_step(state: TrainState, batch: dict, *, cfg: StepConfig) -> tuple[TrainState, dict]:
-  """One optimizer step on a global batch. Pure; jit with donate_argnums=0."""
+def train_step(state: TrainState, batch: dict, *, cfg: StepConfig,
+               skip_nonfinite: bool = False) -> tuple[TrainState, dict]:
+  """One optimizer step on a global batch. Pure; jit with donate_argnums=0.
+
+  skip_nonfinite: when the loss or the dense gradient norm is not finite, keep
+  the dense params and optimizer state (a select over dense-sized arrays) and
+  turn the sparse update into a no-op (no table-sized select: the tables stay
+  updated in place).
+  """
   plan = cfg.plan
   rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
@@ -137,15 +144,22 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig) -> tuple[Trai
                                       cfg.graphdef, cfg.spec, cfg.grad_accum)
   (g_rows,) = pool_vjp(g_emb)
 
+  grad_norm = optax.global_norm(g_params)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skip_nonfinite else None
+
   updates, opt_state = cfg.tx.update(g_params, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  if skip_nonfinite:
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
   sparse_lr = cfg.sparse_lr(state.step)
-  new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows, lr=sparse_lr)
+  new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows, lr=sparse_lr, enabled=ok)
   rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
 
   metrics = {
       "train_loss": loss,
-      "grad_norm": optax.global_norm(g_params),
+      "grad_norm": grad_norm,
       "lr": jnp.asarray(cfg.schedule(state.step), jnp.float32),
       "sparse_lr": jnp.asarray(sparse_lr, jnp.float32),
       "labels_observed": jnp.sum(batch["label_mask"]),
