@@ -308,3 +308,25 @@ def test_export_import_across_meshes():
   back = export_state(dst, import_state(dst, {t: {"weight": c["weight"]} for t, c in canon.items()}))
   np.testing.assert_array_equal(np.asarray(back["cw"]["weight"]), np.asarray(canon["cw"]["weight"]))
   assert not np.asarray(back["cw"]["accumulator"]).any()
+
+
+@pytest.mark.parametrize("kind", ["adam", "rowwise_adagrad"])
+def test_disabled_update_changes_nothing(kind):
+  """enabled=False (a non-finite step): tables and slots, Adam's count included, stay put."""
+  opt = SparseOptimizerConfig(kind, lr=0.05)
+  plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(2, 4), B, opt)
+  state = import_state(plan, _random_canonical(opt, seed=2))
+  before = export_state(plan, state)
+  ids, wts, targets = _train_batches(plan, 1)[0]
+
+  @jax.jit
+  def step(state, ids, enabled):
+    rows, ctx = gather_rows(plan, state, ids)
+    g_rows = jax.grad(lambda r: sum(jnp.sum(e ** 2) for e in pool_rows(plan, r, ctx, wts).values()))(rows)
+    g_rows = jax.tree.map(lambda g: g * jnp.nan, g_rows)    # what a bad batch brings
+    return apply_sparse_updates(plan, state, ctx, g_rows, enabled=enabled)
+
+  after = export_state(plan, step(state, jax.device_put(ids, plan.ids_shardings()), False))
+  for t in before:
+    for k in before[t]:
+      np.testing.assert_array_equal(np.asarray(after[t][k]), np.asarray(before[t][k]), f"{t}/{k}")
