@@ -105,6 +105,22 @@ def restore_state(workdir, step):
   return restored
 
 
+def assert_states_close(a, b) -> None:
+  """Train states equal to fp32 rounding: floats within 1e-6, everything else exactly."""
+  leaves_a = jax.tree_util.tree_leaves_with_path(a)
+  leaves_b = jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b) > 10
+  for (path, x), y in zip(leaves_a, leaves_b):
+    x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
+    name = jax.tree_util.keystr(path)
+    if name.startswith(".metrics"):  # eval sums over 512 rows (~50): fp32 rounding of the sum
+      np.testing.assert_allclose(y, x, rtol=1e-6, atol=0, err_msg=name)
+    elif np.issubdtype(x.dtype, np.floating):  # parameters, optimizer state, tables
+      np.testing.assert_allclose(y, x, rtol=0, atol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(y, x, err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
@@ -127,18 +143,7 @@ def test_2x4_losses_and_params_equal_1x8(runs):
   assert one["step"] == two["step"] == 6
   assert two["eval_auc"] == pytest.approx(one["eval_auc"], abs=1e-5)
   ra, rb = restore_state(tmp / "1x8", 6), restore_state(tmp / "2x4", 6)
-  leaves_a = jax.tree_util.tree_leaves_with_path(ra.state)
-  leaves_b = jax.tree.leaves(rb.state)
-  assert len(leaves_a) == len(leaves_b) > 10
-  for (path, x), y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
-    name = jax.tree_util.keystr(path)
-    if name.startswith(".metrics"):  # eval sums over 512 rows (~50): fp32 rounding of the sum
-      np.testing.assert_allclose(y, x, rtol=1e-6, atol=0, err_msg=name)
-    elif np.issubdtype(x.dtype, np.floating):  # parameters, optimizer state, tables
-      np.testing.assert_allclose(y, x, rtol=0, atol=1e-6, err_msg=name)
-    else:
-      np.testing.assert_array_equal(y, x, err_msg=name)
+  assert_states_close(ra.state, rb.state)
   # The data position holds both processes' iterator states.
   assert len(rb.data_state["train"]["by_process"]) == 2
   assert rb.data_state["train"]["position"] == ra.data_state["train"]["position"]

@@ -1,19 +1,22 @@
 """Multi-host building blocks, in one process: settings from flags/env, data
 positions in checkpoints, per-process id preparation, the step watchdog and its
-peer report."""
+peer report, preemption through JAX's sync point."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from gem_jax import embedding as emb_lib
 from gem_jax.parallel import distributed as dist
+from gem_jax.train import preemption
 from gem_jax.train import watchdog as wd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,6 +187,52 @@ def test_watchdog_without_jax_distributed_has_no_board():
   dog = wd.StepWatchdog.from_env(env={"GEM_JAX_STEP_TIMEOUT_S": "30"})
   assert dog.enabled and dog.board is None
   dog.stop()
+
+
+# ---------------------------------------------------------------- preemption --
+
+def test_preemption_uses_jax_sync_point_and_leaves_sigterm_to_jax(monkeypatch):
+  """Under jax.distributed: SIGTERM stays with JAX's notifier, SIGINT-like signals are
+  forwarded to it, and the stop is JAX's sync point (at a global step)."""
+  from jax.experimental import multihost_utils
+  assert not preemption.jax_preemption_service()  # this test process: no jax.distributed
+  seen, counters = [], []
+  notifier = lambda signum, frame: seen.append(signum)  # noqa: E731  (stands in for JAX's)
+  previous = signal.signal(signal.SIGTERM, notifier)
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                      lambda n: counters.append(n) or n == 43)
+  try:
+    w = preemption.PreemptionWatcher(signals=(signal.SIGTERM, signal.SIGUSR1),
+                                     use_jax_service=True)
+    with w:
+      assert signal.getsignal(signal.SIGTERM) is notifier   # not replaced
+      os.kill(os.getpid(), signal.SIGUSR1)
+      assert seen == [signal.SIGTERM] and w.received == signal.SIGUSR1
+      assert [w.should_stop(s) for s in (41, 42, 43)] == [False, False, True]
+    assert counters == [41, 42, 43] and w.stopped_at == 43  # global steps, as Orbax
+    assert signal.getsignal(signal.SIGTERM) is notifier
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_notice_from_before_the_loop_stops_every_process_after_the_first_step(monkeypatch):
+  """A notice posted before the loop (its sync point possibly past): decided at the
+  first check, by an all-gather, so every process stops at the same step."""
+  from jax.experimental import multihost_utils
+  gathered = []
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda n: False)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: gathered.append(int(x)) or np.array([int(x), 1]))
+  w = preemption.PreemptionWatcher(use_jax_service=True)   # this process saw no notice
+  assert w.should_stop(101) is True and w.stopped_at == 101
+  assert gathered == [0]
+  later = preemption.PreemptionWatcher(use_jax_service=True)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: gathered.append(int(x)) or np.array([0, 0]))
+  assert [later.should_stop(s) for s in (5, 6, 7)] == [False, False, False]
+  assert gathered == [0, 0]                                  # only at the first check
 
 
 # ------------------------------------------------------------------ launcher --
