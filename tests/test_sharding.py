@@ -84,3 +84,23 @@ def test_params_and_adam_state_placed_hsdp(mesh24):
   assert adam.mu["a"]["kernel"][...].sharding.spec == P(None, "shard")
   assert adam.nu["a"]["kernel"][...].sharding.spec == P(None, "shard")
   assert adam.count.sharding.spec == P()
+
+
+def test_activations_keep_the_batch_split_under_activation_sharding(mesh24):
+  """A Dense output follows the batch split, not its kernel's FSDP split ('shard' on N)."""
+  layer = Dense(16, 256, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(layer, nnx.Param)
+  params = jax.device_put(params, shd.dense_param_shardings(params, mesh24))
+  assert params["kernel"][...].sharding.spec == P(None, "shard")
+  x = jax.device_put(jnp.ones((32, 16)), shd.batch_sharding(mesh24))
+
+  def apply(params, x, mesh):
+    with shd.activation_sharding(mesh):
+      return nnx.merge(graphdef, params)(x)
+
+  y = jax.jit(lambda p, x: apply(p, x, mesh24))(params, x)
+  assert y.sharding.spec == P(("replica", "shard"))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(layer(jnp.ones((32, 16)))), rtol=1e-6)
+  assert jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x).sharding.spec != \
+      P(("replica", "shard"))                   # what the pin changes
+  assert shd.constrain_batch(x) is x            # outside the context: identity

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax.parallel import sharding
+
 Dtype = Any
 E4M3_MAX = 448.0
 
@@ -101,7 +103,7 @@ class Dense(nnx.Module):
                      preferred_element_type=jnp.float32).astype(self.dtype)  # (..., N)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    return y
+    return sharding.constrain_batch(y)  # (B, ..., N): batch-split, not split like w
 
 
 def dense_flops(in_features: int, out_features: int, tokens: int = 1) -> int:

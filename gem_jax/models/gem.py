@@ -44,6 +44,7 @@ from gem_jax.layers.interformer import InterFormerBlock
 from gem_jax.layers.mlp import MLP
 from gem_jax.layers.wukong import CrossLayerAttention, WukongLayer
 from gem_jax.models.config import GEMConfig
+from gem_jax.parallel.sharding import constrain_batch
 
 
 def pyramid_lengths(cfg: GEMConfig, max_len: int) -> tuple[int, ...]:
@@ -167,7 +168,7 @@ class GEM(nnx.Module):
 
   def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
     b = inputs["dense"].shape[0]
-    x = self.tokens(inputs)  # (B, n, d)
+    x = constrain_batch(self.tokens(inputs))  # (B, n, d)
     streams = self.sequences(inputs, b)  # K x (S_i (B, L_i, d), valid_i, dt_i)
     history = [x]
     x_sum = s_sum = None
@@ -175,14 +176,15 @@ class GEM(nnx.Module):
       streams = self._crop(streams, l)
       x_in = x if (l == 0 or self.cross_layer is None) else self.cross_layer(history, l)
       x, seqs, x_sum, s_sum = block(x_in, streams=streams)  # (B, n, d), K x (B, L_i^l, d), ..
+      x = constrain_batch(x)
       history.append(x)
-      streams = [(s_i, v_i, dt_i) for s_i, (_, v_i, dt_i) in zip(seqs, streams)]
+      streams = [(constrain_batch(s_i), v_i, dt_i) for s_i, (_, v_i, dt_i) in zip(seqs, streams)]
     q = jnp.einsum("qn,bnd->bqd", self.query_mix[...].astype(self.dtype), x,
                    preferred_element_type=jnp.float32).astype(self.dtype)  # (B, Q, d)
     targets = [attn(q, s_i, v_i).astype(self.dtype)  # (B, Q, d) per stream
                for attn, (s_i, v_i, _) in zip(self.target_attn, streams)]
     seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
-    feats = jnp.concatenate([x, x_sum, seq_summary], axis=1)  # (B, n + m + K (c+p+r+Q), d)
+    feats = constrain_batch(jnp.concatenate([x, x_sum, seq_summary], axis=1))  # (B, n+m+K(c+p+r+Q), d)
     trunk = self.trunk(feats.reshape(b, -1))  # (B, H)
     logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
     if return_aux:

@@ -24,6 +24,8 @@ same four quarters.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -49,6 +51,36 @@ RULES: Mapping[str, Any] = {
     "domains": None,
     "layers": None,
 }
+
+
+# ---- activations ------------------------------------------------------------------
+_ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh",
+                                                                  default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None):
+  """While tracing under it, `constrain_batch` pins activations to `mesh`'s batch split.
+
+  Without such pins the SPMD partitioner may carry a parameter's FSDP split
+  ('shard' on a feature axis) into the activations and later has to undo it
+  ("involuntary full rematerialization": replicate, then re-split); with them
+  it all-gathers the (small) parameter instead. Outside the context (a model
+  used on its own) `constrain_batch` does nothing.
+  """
+  token = _ACTIVATION_MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _ACTIVATION_MESH.reset(token)
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """x with its leading (batch) axis split over ('replica', 'shard'), the rest whole."""
+  mesh = _ACTIVATION_MESH.get()
+  if mesh is None or x.ndim == 0:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(RULES["batch"])))
 
 
 def _is_variable(x) -> bool:

@@ -37,6 +37,7 @@ from flax import nnx
 from gem_jax import embedding as emb_lib
 from gem_jax.data.spec import DataSpec
 from gem_jax.layers import heads
+from gem_jax.parallel import sharding
 from gem_jax.train.state import TrainState
 
 
@@ -140,8 +141,9 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig,
   plan = cfg.plan
   rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
-  loss, g_params, g_emb = dense_grads(state.params, emb, _dense_part(batch), state.model_state,
-                                      cfg.graphdef, cfg.spec, cfg.grad_accum)
+  with sharding.activation_sharding(plan.mesh):
+    loss, g_params, g_emb = dense_grads(state.params, emb, _dense_part(batch), state.model_state,
+                                        cfg.graphdef, cfg.spec, cfg.grad_accum)
   (g_rows,) = pool_vjp(g_emb)
 
   grad_norm = optax.global_norm(g_params)
