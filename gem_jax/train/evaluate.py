@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax import embedding as emb_lib
+from gem_jax.parallel import sharding
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train.state import TrainState
 from gem_jax.train.step import StepConfig, model_inputs
@@ -25,7 +26,8 @@ def eval_step(state: TrainState, batch: dict, *, cfg: StepConfig) -> dict:
   """The accumulators after adding `batch` (pure; forward only)."""
   emb = emb_lib.lookup(cfg.plan, state.emb, batch["ids"], batch.get("weights"))
   model = nnx.merge(cfg.graphdef, state.params, state.model_state)
-  logits = model(model_inputs(cfg.spec, batch, emb)).astype(jnp.float32)  # (B, T)
+  with sharding.activation_sharding(cfg.plan.mesh):
+    logits = model(model_inputs(cfg.spec, batch, emb)).astype(jnp.float32)  # (B, T)
   return metrics_lib.update(state.metrics, logits, batch["labels"], batch["label_mask"],
                             batch["domain"])
 
