@@ -146,7 +146,7 @@ def test_step_terms_by_hand():
   # replicas: 4 devices strided over 4 nodes -> IB; all-reduce of 4 GB / 8 = 0.5 GB
   assert t["replica_all_reduce"] == pytest.approx(2 * (3 / 4 * 0.5e9 / 50e9 + 3 * 10e-6))
   assert t["emb_sync"] == pytest.approx(2e8 / 50e9 + 6 * 10e-6)      # 2 (R - 1) hops
-  assert t["emb_sync_rows"] == pytest.approx(1e9 / 50e9 + 3 * 10e-6)  # R - 1 hops
+  assert t["emb_sync_rows"] == pytest.approx(1e9 / 50e9 + 6 * 10e-6)  # ids + grads: 2 (R - 1)
 
 
 def test_project_overlap_and_limit():

@@ -124,14 +124,15 @@ def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> di
       "hsdp_all_gather": 2 * net.all_gather(p * vol.param_bytes, S, shard_cross),
       "hsdp_reduce_scatter": net.reduce_scatter(p * vol.grad_bytes, S, shard_cross),
       "replica_all_reduce": net.all_reduce(p * vol.grad_bytes / S, R, rep_cross),
-      # reduce-scatter + all-gather: 2 (R - 1) hops (a row all-gather needs R - 1).
+      # two ring collectives either way: reduce-scatter + all-gather ('dense') or the
+      # all-gathers of row ids and of gradients ('rows'): 2 (n - 1) hops.
       "emb_sync": (net.send(vol.emb_sync, R, rep_cross, hops=2 * (R - 1))
                    + net.send(vol.emb_sync_mesh, R * S, mesh_cross, hops=2 * (R * S - 1))),
   }
   if vol.emb_sync_rows is not None:
-    out["emb_sync_rows"] = (net.send(vol.emb_sync_rows, R, rep_cross, hops=R - 1)
+    out["emb_sync_rows"] = (net.send(vol.emb_sync_rows, R, rep_cross, hops=2 * (R - 1))
                             + net.send(vol.emb_sync_mesh_rows, R * S, mesh_cross,
-                                       hops=R * S - 1))
+                                       hops=2 * (R * S - 1)))
   return out
 
 
