@@ -28,6 +28,7 @@ from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax.data.spec import DataSpec
+from gem_jax.parallel import sharding
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train.state import TrainState
 from gem_jax.train.step import model_inputs
@@ -92,8 +93,9 @@ def student_train_step(state: TrainState, batch: dict, *, cfg: StudentStepConfig
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
   dense = {k: v for k, v in batch.items() if k not in ("ids", "weights")}
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-  (loss, parts), (g_params, g_emb) = grad_fn(state.params, emb, dense, state.model_state,
-                                             cfg.graphdef, cfg.spec, cfg.opts)
+  with sharding.activation_sharding(plan.mesh):
+    (loss, parts), (g_params, g_emb) = grad_fn(state.params, emb, dense, state.model_state,
+                                               cfg.graphdef, cfg.spec, cfg.opts)
   g_params = apply_mask(g_params, cfg.trainable)
   updates, opt_state = cfg.tx.update(g_params, state.opt_state, state.params)
   params = optax.apply_updates(state.params, apply_mask(updates, cfg.trainable))
