@@ -112,16 +112,8 @@ def analytic_train_flops(config, spec, feature_dims) -> float:
 
 def gpu_matmul_probe(dtype=jnp.bfloat16, n: int = 8192, repeats: int = 10) -> float:
   """Measured FLOP/s of an (n, n) @ (n, n) product on the default device, best of `repeats`."""
-  a = jnp.ones((n, n), dtype)
-  b = jnp.ones((n, n), dtype) * 0.5
-  f = jax.jit(lambda x, y: x @ y)
-  f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2.0 * n ** 3 / best
+  return report.matmul_probe_flops(jnp.dtype(dtype).name, n=n, repeats=repeats,
+                                   devices=tuple(jax.local_devices()[:1]))
 
 
 def peaks(dtype: str) -> dict[str, Any]:

@@ -235,15 +235,18 @@ def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float 
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_probe_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
-  """Measured matmul FLOP/s per device, all CPU devices busy at once.
+def matmul_probe_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5,
+                       devices=None) -> float:
+  """Measured matmul FLOP/s per device, all `devices` busy at once.
 
-  Runs one (n, n) @ (n, n) product on every local CPU device concurrently (a
-  batched matmul sharded over the devices), so that simulated devices sharing
-  the same cores each get their fair share: per-device peak = 2 n^3 D / t / D,
-  best of `repeats` timed runs after a warm-up.
+  Runs one (n, n) @ (n, n) product on every device concurrently (a batched
+  matmul sharded over the devices), so that simulated devices sharing the
+  same cores each get their fair share: per-device peak = 2 n^3 D / t / D,
+  best of `repeats` timed runs after a warm-up. Default devices: the local
+  CPU devices (the MFU denominator on CPU); GPUs: e.g. one device, n = 8192, bf16.
+  Cached per arguments, so `devices` must be a tuple.
   """
-  devices = jax.local_devices(backend="cpu")
+  devices = list(devices) if devices is not None else jax.local_devices(backend="cpu")
   d = len(devices)
   mesh = jax.sharding.Mesh(np.array(devices), ("d",))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
