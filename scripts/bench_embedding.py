@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,  # noqa: E402
                                apply_sparse_updates, gather_rows, init_embedding_state,
                                plan_embeddings, pool_rows, prepare_ids)
+from gem_jax.embedding.plan import DEDUP_MIN_BYTES  # noqa: E402
 from gem_jax.parallel.mesh import make_mesh  # noqa: E402
 
 
@@ -63,7 +64,9 @@ def setup(rows: int, args) -> dict:
             for i in range(n_tables)]
   feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
   mesh = make_mesh(tuple(args.mesh))
-  plan = plan_embeddings(tables, feats, mesh, args.batch, SparseOptimizerConfig(lr=0.01))
+  dedup_min = {"auto": DEDUP_MIN_BYTES, "always": 0, "never": 1 << 62}[args.dedup]
+  plan = plan_embeddings(tables, feats, mesh, args.batch, SparseOptimizerConfig(lr=0.01),
+                         dedup_min_bytes=dedup_min)
   t0 = time.perf_counter()
   state = jax.block_until_ready(init_embedding_state(plan, jax.random.key(0)))
   init_s = time.perf_counter() - t0
@@ -110,6 +113,7 @@ def summary(run: dict, args) -> dict:
       "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": args.batch,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
       "sharding": sorted(set(plan.sharding.values())),
+      "dedup": sorted({u.dedup for u in plan.units.values()}),
       "step_ms_median": float(np.median(times)), "step_ms_min": float(np.min(times)),
       "step_ms_max": float(np.max(times)), "steps": len(times),
       "exchange_bytes_per_step": int(sum(plan.exchange_bytes().values())),
@@ -137,6 +141,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--json", action="store_true", help="one JSON object per line")
+  p.add_argument("--dedup", default="auto", choices=["auto", "always", "never"],
+                 help="owners deduplicate ids before gathering: by the planner's size rule "
+                      "(tables of >= 16 MiB per device), at every size, or never")
   p.add_argument("--no-hugepages", action="store_true",
                  help="do not ask glibc for transparent huge pages (see module doc)")
   args = p.parse_args(argv)

@@ -93,10 +93,18 @@ def _ref_lookup(tables, ids, wts):
   return out
 
 
-@pytest.fixture(scope="module", params=MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+# (mesh, owners deduplicate before gathering): the test tables are tiny, so the
+# planner's size rule alone would never dedup them; dedup_min_bytes=0 forces it.
+LOOKUP_CASES = [(m, True) for m in MESHES] + [((1, 1), False), ((2, 4), False), ((1, 8), False)]
+
+
+@pytest.fixture(scope="module", params=LOOKUP_CASES,
+                ids=lambda c: f"{c[0][0]}x{c[0][1]}-{'dedup' if c[1] else 'plain'}")
 def setup(request):
-  mesh = make_mesh(*request.param)
-  plan = plan_embeddings(TABLES, FEATURES, mesh, B, SparseOptimizerConfig())
+  mesh_shape, dedup = request.param
+  plan = plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, SparseOptimizerConfig(),
+                         dedup_min_bytes=0 if dedup else 1 << 62)
+  assert all(u.dedup == dedup for u in plan.units.values())
   state = init_embedding_state(plan, jax.random.key(0))
   return plan, state
 
@@ -236,26 +244,29 @@ def _assert_replicas_identical(state):
 
 # (mesh, optimizer, replica sync): 'rows' all-gathers row gradients, 'dense'
 # reduce-scatters + all-gathers the shard's gradient (see update.py).
-OPT_CASES = [(m, "rowwise_adagrad", "rows") for m in MESHES] + [
-    ((1, 4), "rowwise_adagrad", "dense"), ((2, 4), "rowwise_adagrad", "dense"),
-    ((4, 2), "rowwise_adagrad", "dense"),
-    ((2, 4), "sgd", "rows"), ((2, 4), "sgd", "dense"),
-    ((4, 2), "adam", "rows"), ((4, 2), "adam", "dense"),
-    pytest.param((2, 4), "adam", "rows", marks=pytest.mark.slow),
-    pytest.param((1, 8), "rowwise_adagrad", "dense", marks=pytest.mark.slow),
-    pytest.param((1, 8), "sgd", "rows", marks=pytest.mark.slow),
-    pytest.param((1, 1), "sgd", "rows", marks=pytest.mark.slow),
-    pytest.param((1, 1), "adam", "rows", marks=pytest.mark.slow),
-    pytest.param((1, 4), "adam", "dense", marks=pytest.mark.slow),
-    pytest.param((4, 2), "sgd", "dense", marks=pytest.mark.slow),
+# (mesh, optimizer, replica sync, dedup before gather): 'rows' all-gathers row
+# gradients, 'dense' reduce-scatters + all-gathers the shard's gradient (update.py).
+OPT_CASES = [(m, "rowwise_adagrad", "rows", m in ((1, 1), (2, 4))) for m in MESHES] + [
+    ((1, 4), "rowwise_adagrad", "dense", True), ((2, 4), "rowwise_adagrad", "dense", False),
+    ((4, 2), "rowwise_adagrad", "dense", True),
+    ((2, 4), "sgd", "rows", True), ((2, 4), "sgd", "dense", False),
+    ((4, 2), "adam", "rows", False), ((4, 2), "adam", "dense", True),
+    ((1, 8), "adam", "rows", True),
+    pytest.param((2, 4), "adam", "rows", False, marks=pytest.mark.slow),
+    pytest.param((1, 8), "rowwise_adagrad", "dense", True, marks=pytest.mark.slow),
+    pytest.param((1, 8), "sgd", "rows", False, marks=pytest.mark.slow),
+    pytest.param((1, 1), "sgd", "rows", True, marks=pytest.mark.slow),
+    pytest.param((1, 1), "adam", "rows", False, marks=pytest.mark.slow),
+    pytest.param((1, 4), "adam", "dense", False, marks=pytest.mark.slow),
+    pytest.param((4, 2), "sgd", "dense", True, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,kind,sync", OPT_CASES)
-def test_five_steps_match_dense_optimizer(mesh_shape, kind, sync):
+@pytest.mark.parametrize("mesh_shape,kind,sync,dedup", OPT_CASES)
+def test_five_steps_match_dense_optimizer(mesh_shape, kind, sync, dedup):
   opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6)
   plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*mesh_shape), B, opt,
-                         replica_sync=sync)
+                         replica_sync=sync, dedup_min_bytes=0 if dedup else 1 << 62)
   R, S = mesh_shape
   assert {b.sync for b in plan.buffers.values()} <= {"none", sync}
   if R * S > 1:

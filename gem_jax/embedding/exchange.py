@@ -200,10 +200,13 @@ def _undev(x):
   return x[0, 0]
 
 
-def _unique(idx):
-  """Local rows per slot (any shape, -1 = none) -> (sorted unique rows (n,), -1 padded;
-  inverse (same shape as idx): position of each slot's row in the unique list)."""
+def _unique(idx, dedup: bool = True):
+  """Local rows per slot (any shape, -1 = none) -> (rows to gather (n,), inverse (same
+  shape as idx): position of each slot's row in them). dedup: sorted distinct rows,
+  -1 padded; else the slots themselves, inverse = arange."""
   flat = idx.reshape(-1)
+  if not dedup:
+    return flat.astype(jnp.int32), jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(idx.shape)
   uniq, inv = jnp.unique(flat, size=flat.shape[0], fill_value=-1, return_inverse=True)
   return uniq.astype(jnp.int32), inv.reshape(idx.shape).astype(jnp.int32)
 
@@ -211,10 +214,11 @@ def _unique(idx):
 def gather_rows(plan: EmbeddingPlan, state, ids):
   """ids -> owners -> deduplicated local gather. Call inside or outside jit.
 
-  Each owner gathers every distinct row it serves once, in ascending row order
+  For units with `dedup` (owners holding large tables, see the planner), each
+  owner gathers every distinct row it serves once, in ascending row order
   (Zipf ids: about half the slots are repeats), and the gradient of the lookup
   arrives per distinct row (the backward of `pool_rows`' expansion sums the
-  repeats in a small (n, D) buffer), ready for `apply_sparse_updates`.
+  repeats in a small (n, D) buffer). Other units gather one row per slot.
 
   Args:
     plan: the embedding plan.
@@ -222,11 +226,10 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
     ids: {feature: int32 (B, bag)} from `prepare_ids`, -1 = padding, sharded
       like `plan.ids_shardings()`.
   Returns:
-    rows: {unit: (R, S, n, D_local)}, the distinct rows each device gathered
-      (n = the unit's id slots per device, zero rows at padding): the
-      differentiable leaf;
+    rows: {unit: (R, S, n, D_local)}, the rows each device gathered (n = the
+      unit's id slots per device, zero rows at padding): the differentiable leaf;
     ctx: {'row': {unit: int32 (R, S, n)} those rows' indices in the owner's local
-      buffer (ascending, -1: none), 'inv': {unit: int32 (R, S, ...slots)} the
+      buffer (-1: none; distinct and ascending with dedup), 'inv': {unit: int32 (R, S, ...slots)} the
       position in `row` of every id slot, 'count': {feature: float32 (B,)}
       valid ids of 'mean' features}.
   """
@@ -238,7 +241,7 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   def body(weights, ids):
     rows, uniq_rows, inverse = {}, {}, {}
     for name, u in plan.units.items():
-      uniq, inv = _unique(_ROWS[u.kind](plan, u, ids))
+      uniq, inv = _unique(_ROWS[u.kind](plan, u, ids), u.dedup)
       rows[name] = _dev(_masked_take(weights[u.buffer], uniq))       # (1, 1, n, Dl)
       uniq_rows[name], inverse[name] = _dev(uniq), _dev(inv)
     count = {f: jnp.sum(ids[f] >= 0, axis=1).astype(jnp.float32) for f in mean_feats}
@@ -269,8 +272,12 @@ def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
     out = {}
     for name, u in plan.units.items():
       slot_inv = _undev(inv[name])
-      slot_rows = jnp.take(_undev(rows[name]), slot_inv, axis=0)       # (...slots, Dl)
-      slot_idx = jnp.take(_undev(uniq[name]), slot_inv, axis=0)        # (...slots)
+      if u.dedup:
+        slot_rows = jnp.take(_undev(rows[name]), slot_inv, axis=0)     # (...slots, Dl)
+        slot_idx = jnp.take(_undev(uniq[name]), slot_inv, axis=0)      # (...slots)
+      else:                                                            # one row per slot
+        slot_rows = _undev(rows[name]).reshape(slot_inv.shape + (-1,))
+        slot_idx = _undev(uniq[name]).reshape(slot_inv.shape)
       out.update(_POOL[u.kind](plan, u, slot_rows, slot_idx, weights))
     for f, c in count.items():
       out[f] = out[f] / jnp.maximum(c, 1.0)[:, None].astype(out[f].dtype)

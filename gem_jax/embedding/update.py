@@ -105,7 +105,7 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
       rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
                            for u in units])                                     # (n, Dl)
-      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1)
+      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1 and units[0].dedup)
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum
