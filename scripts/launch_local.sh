@@ -15,8 +15,11 @@
 #   GEM_JAX_PORT    coordinator port (default: a free one)
 #   GEM_JAX_SCRIPT  entry script (default: scripts/train.py)
 #   GEM_JAX_LOG_DIR if set, process i's stderr goes to $GEM_JAX_LOG_DIR/process_i.log
-#   GEM_JAX_HEARTBEAT_TIMEOUT_S, GEM_JAX_INIT_TIMEOUT_S, GEM_JAX_STEP_TIMEOUT_S:
-#                   failure detection bounds (defaults here: 20, 120, 0 = watchdog off)
+#   GEM_JAX_HEARTBEAT_TIMEOUT_S, GEM_JAX_INIT_TIMEOUT_S, GEM_JAX_SHUTDOWN_TIMEOUT_S:
+#                   failure detection bounds (defaults here: 20, 120, 30)
+#   GEM_JAX_STEP_TIMEOUT_S passes through unchanged (unset: the trainer's default,
+#                   900 s with several processes; keep it below the heartbeat
+#                   timeout for the watchdog to name a hung process)
 #
 # The launcher writes "launch_local: process I: pid P" to its stderr for each process
 # (to signal one of them: SIGTERM = preemption, SIGSTOP = a hang, as the tests do).
