@@ -81,6 +81,11 @@ def model_inputs(spec: DataSpec, batch: dict, emb: dict) -> dict:
   }
 
 
+def global_norm(tree) -> jax.Array:
+  """sqrt(sum_i ||x_i||^2) over the leaves, fp32 (optax.global_norm is deprecated)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def loss_fn(params, emb, batch, model_state, graphdef, spec):
   """Masked multi-task BCE of the model on one (micro-)batch; aux = logits (B, T)."""
   model = nnx.merge(graphdef, params, model_state)
@@ -146,7 +151,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig,
                                         cfg.graphdef, cfg.spec, cfg.grad_accum)
   (g_rows,) = pool_vjp(g_emb)
 
-  grad_norm = optax.global_norm(g_params)
+  grad_norm = global_norm(g_params)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skip_nonfinite else None
 
   updates, opt_state = cfg.tx.update(g_params, state.opt_state, state.params)

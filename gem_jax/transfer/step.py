@@ -31,7 +31,7 @@ from gem_jax.data.spec import DataSpec
 from gem_jax.parallel import sharding
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train.state import TrainState
-from gem_jax.train.step import model_inputs
+from gem_jax.train.step import global_norm, model_inputs
 from gem_jax.transfer import losses
 from gem_jax.transfer.student import TransferOptions, apply_mask, keep_frozen_rows
 
@@ -107,7 +107,7 @@ def student_train_step(state: TrainState, batch: dict, *, cfg: StudentStepConfig
                                            lr=cfg.sparse_lr(state.step))
     new_emb = keep_frozen_rows(new_emb, state.emb, cfg.frozen_rows)
   metrics = {"train_loss": loss, "loss_hard": parts["hard"], "loss_soft": parts["soft"],
-             "loss_adapt": parts["adapt"], "grad_norm": optax.global_norm(g_params),
+             "loss_adapt": parts["adapt"], "grad_norm": global_norm(g_params),
              "lr": jnp.asarray(cfg.schedule(state.step), jnp.float32)}
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=new_emb)
   return new_state, metrics
