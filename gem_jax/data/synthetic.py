@@ -38,7 +38,7 @@ effects sit on the frequent values (in 'small': the top 16-24 ranks of each
 feature, about 2/3 of the rows; interactions among the top 8 values of each
 pair), so a model given the true structure (a logistic regression on
 `structure_features`) closes >= 90% of the AUC gap to the oracle per task
-from the 256k rows the CPU demo reads, in one pass (99% click, 95% conversion;
+from the 512k rows the CPU demo reads, in one pass (99% click, 98% conversion;
 tests/test_synthetic.py measures it).
 
 Rows are generated in blocks of `ROW_BLOCK` examples keyed by
@@ -130,7 +130,7 @@ PRESETS: dict[str, Preset] = {
         streams=(Stream("clicks", "click_category", "category", max_len=16),),
         pairs=(("user", "category"),),
     ),
-    # Learnable from the CPU demo's 256k rows: effects on the frequent values
+    # Learnable from the CPU demo's 512k rows: effects on the frequent values
     # (top 16-24 ranks, Zipf 1.2-1.3), interactions between the top-8 values of
     # each pair, strong sequence matches, a conversion logit that follows the click's.
     "small": Preset(
