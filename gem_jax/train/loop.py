@@ -194,8 +194,14 @@ def _device_putter(plan, mesh):
 
 
 def checkpoint_tree(state: state_lib.TrainState, plan) -> state_lib.TrainState:
-  """The saved form: embedding state as unpadded canonical arrays (any mesh can restore)."""
-  return state.replace(emb=emb_lib.export_state(plan, state.emb))
+  """The saved form: embedding state as unpadded canonical arrays (any mesh can restore).
+
+  Every leaf handed to the asynchronous save is a fresh copy: the next step donates
+  the live state, and on CPU the save's host view of a buffer can be the buffer itself.
+  """
+  fresh = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
+                       state.replace(emb=None))
+  return fresh.replace(emb=emb_lib.export_state(plan, state.emb))
 
 
 def checkpoint_abstract(abstract: state_lib.TrainState, plan) -> state_lib.TrainState:
