@@ -184,6 +184,10 @@ class EmbeddingPlan:
       out[name] = w + slots
     return out
 
+  def sync_group(self, buf: Buffer) -> int:
+    """Devices holding copies of each row of `buf` (its replica-sync group size)."""
+    return int(np.prod([self.mesh.shape[a] for a in buf.sync_axes]))
+
   def buffer_lookup_slots(self) -> dict[str, int]:
     """Row slots each device gathers per step, per buffer (the row gradients it holds)."""
     out = {name: 0 for name in self.buffers}
@@ -218,7 +222,7 @@ class EmbeddingPlan:
     slots = self.buffer_lookup_slots()
     out = {}
     for name, buf in self.buffers.items():
-      g = int(np.prod([self.mesh.shape[a] for a in buf.sync_axes]))
+      g = self.sync_group(buf)
       kind = sync or buf.sync
       out[name] = 0 if g == 1 or kind == "none" else _sync_bytes(
           kind, g, slots[name], buf.local_rows, buf.local_dim)
@@ -318,7 +322,7 @@ def _choose_sync(plan: EmbeddingPlan, replica_sync: str) -> EmbeddingPlan:
   slots = plan.buffer_lookup_slots()
   new = {}
   for name, buf in plan.buffers.items():
-    g = int(np.prod([plan.mesh.shape[a] for a in buf.sync_axes]))
+    g = plan.sync_group(buf)
     kind = replica_sync
     if g == 1:
       kind = "none"

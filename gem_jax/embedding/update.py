@@ -46,19 +46,12 @@ from gem_jax.embedding.optimizers import apply_rows, dedup_rows
 from gem_jax.embedding.plan import EmbeddingPlan
 
 
-def _group_size(plan: EmbeddingPlan, axes) -> int:
-  size = 1
-  for a in axes:
-    size *= plan.mesh.shape[a]
-  return size
-
-
 def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
   """Local (rows, grads) -> (unique rows, summed grads) of the whole replica group.
   `unique`: the local rows are already distinct (one unit: `gather_rows` deduplicated)."""
   axes = buf.sync_axes
-  if buf.sync == "dense" and _group_size(plan, axes) > 1:
-    G = _group_size(plan, axes)
+  if buf.sync == "dense":                # planned only for groups of G > 1
+    G = plan.sync_group(buf)
     n_pad = -(-buf.local_rows // G) * G
     safe = jnp.where(rows >= 0, rows, n_pad)
     dense = jnp.zeros((n_pad, g.shape[1] + 1), jnp.float32)
@@ -69,7 +62,7 @@ def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
     touched = dense[:buf.local_rows, -1] > 0
     uniq = jnp.where(touched, jnp.arange(buf.local_rows, dtype=jnp.int32), -1)
     return uniq, jnp.where(touched[:, None], dense[:buf.local_rows, :-1], 0.0)
-  if buf.sync == "rows" and _group_size(plan, axes) > 1:
+  if buf.sync == "rows":
     rows = jax.lax.all_gather(rows, axes, axis=0, tiled=True)         # (G n,) same everywhere
     g = jax.lax.all_gather(g, axes, axis=0, tiled=True)               # (G n, Dl)
     unique = False
