@@ -11,7 +11,10 @@ top MLP 100-512-256-1, mean BCE. Optimizer: plain SGD lr 0.1 on tables (sparse,
 duplicates summed) and dense parameters, no clipping, no schedule.
 Data: the peer's own generator (Zipf 1.05 ids, permuted ranks, lognormal dense,
 Bernoulli(0.25) labels), seeds as the peer's `--seed 0`, 32 batches cycled.
-Batch 4096, one CPU device (mesh 1 x 1), fp32 compute (faster than bf16 on XLA:CPU).
+Batch 4096, one CPU device (mesh 1 x 1). Precision: gem_jax's mixed policy, bf16
+matmuls with fp32 accumulation, fp32 master weights, fp32 tables and optimizer (the
+peer computes in fp32; `--set model.dtype="'float32'"` for the fp32-vs-fp32 figure;
+docs/PERFORMANCE.md has both and the loss of each).
 `--config.model.name=dcnv2` (or configs/dcn_peer.py) selects the DCNv2
 interaction (3 low-rank cross layers, rank 512), as the peer's `--interaction dcn`.
 """
@@ -40,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.name = "dlrm"                # 'dcnv2' for the --interaction dcn peer
   c.model.preset = "dlrm_torchrec"     # d_model 64, bottom (512, 256), top (512, 256)
   c.model.overrides = ml_collections.ConfigDict({"dcn_layers": 3, "dcn_rank": 512})
-  c.model.dtype = "float32"
+  c.model.dtype = "bfloat16"           # compute; parameters stay fp32
   c.model.fp8 = False
   c.model.remat = "none"
 

@@ -141,11 +141,10 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--json", action="store_true", help="one JSON object per line")
-  p.add_argument("--dedup", default="always", choices=["auto", "always", "never"],
-                 help="owners deduplicate ids before gathering at every size (default: the "
-                      "same code path at every size, so the ratio isolates the table size), "
-                      "by the planner's size rule (auto: blocks of >= 16 MiB per device, the "
-                      "trainer's default), or never")
+  p.add_argument("--dedup", default="auto", choices=["auto", "always", "never"],
+                 help="owners deduplicate ids before gathering by the planner's size rule "
+                      "(auto, the trainer's default: blocks of >= 4 GiB per device, so no "
+                      "size here), at every size (always), or never")
   p.add_argument("--no-hugepages", action="store_true",
                  help="do not ask glibc for transparent huge pages (see module doc)")
   args = p.parse_args(argv)

@@ -1,4 +1,6 @@
 """Precision policy on the tiny GEM: bf16 vs fp32 forward, fp8 training vs bf16 training."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,3 +76,62 @@ def test_fp8_path_runs_and_tracks_bf16(data):
   assert all(np.isfinite(b))
   np.testing.assert_allclose(b, a, rtol=0.05)
   assert b[-1] < b[0]  # and it trains
+
+
+# ----------------------------------------------------- row-major bf16 backward --
+
+def _grads(fn, x, w, dtype):
+  loss = lambda x, w: jnp.sum(jnp.sin(fn(x, w, dtype).astype(jnp.float32)))
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+
+def _plain(x, w, dtype):
+  return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def test_row_major_matmul_matches_autodiff():
+  """Same forward; fp32 gradients equal autodiff's; in bf16 its gradients are no
+  further from the fp32 ones than autodiff's bf16 gradients are, and dW stays fp32."""
+  from gem_jax.layers.dense import row_major_matmul
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(64, 3, 40)), jnp.float32)   # (B, L, K): leading dims flattened
+  w = jnp.asarray(rng.normal(size=(40, 24)) / 6, jnp.float32)
+  np.testing.assert_array_equal(row_major_matmul(x, w, jnp.float32), _plain(x, w, jnp.float32))
+  ref = _grads(_plain, x, w, jnp.float32)
+  for got, want in zip(_grads(row_major_matmul, x, w, jnp.float32), ref):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  ours = _grads(row_major_matmul, x, w, jnp.bfloat16)
+  autodiff = _grads(_plain, x, w, jnp.bfloat16)
+  assert ours[1].dtype == jnp.float32
+  for o, a, r in zip(ours, autodiff, ref):
+    err_o, err_a = (float(jnp.max(jnp.abs(v.astype(jnp.float32) - r))) for v in (o, a))
+    scale = float(jnp.max(jnp.abs(r)))
+    assert err_o <= 1.5 * err_a + 1e-3 * scale, (err_o, err_a)
+    assert err_o < 0.02 * scale, (err_o, scale)
+
+
+def test_row_major_backward_keeps_bf16_dots_off_fp32_eigen():
+  """The point of the rewrite (XLA:CPU): autodiff's bf16 backward has fp32 `dot`s
+  (bf16 upcast to Eigen); with row-major operands none is left."""
+  from gem_jax.layers.dense import row_major_matmul
+  x = jnp.ones((512, 128), jnp.bfloat16)
+  w = jnp.ones((128, 64), jnp.float32)
+
+  def hlo(fn):  # the entry computation: library calls are fusions, Eigen dots are `dot`s
+    loss = lambda x, w: jnp.sum(fn(x, w, jnp.bfloat16))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text().split("ENTRY")[1]
+
+  fp32_dot = r"= f32\[\d+,\d+\]\{1,0\} dot\("
+  assert re.search(fp32_dot, hlo(_plain)), "autodiff no longer upcasts: rewrite may be moot"
+  assert not re.search(fp32_dot, hlo(row_major_matmul))
+
+
+def test_dense_auto_rule_and_override():
+  from gem_jax.layers import dense
+  assert dense.use_row_major_backward(jnp.bfloat16) == (jax.default_backend() == "cpu")
+  assert not dense.use_row_major_backward(jnp.float32)
+  with dense.row_major_backward(False):
+    assert not dense.use_row_major_backward(jnp.bfloat16)
+  with dense.row_major_backward(True):
+    assert dense.use_row_major_backward(jnp.float32)

@@ -64,7 +64,8 @@ def apply_rows(opt: SparseOptimizerConfig, slots: dict, uniq: jax.Array, g: jax.
   Args:
     opt: optimizer config.
     slots: {'weight': (N, D), and 'accumulator' (N,) | 'm', 'v' (N, D), 'step' ()}.
-    uniq: int32 (n,) unique local rows, -1 = padding.
+    uniq: int32 (n,) unique local rows, -1 = padding (SGD on fp32 weights also
+      takes repeated rows: its scatter-add sums them).
     g: float32 (n, D) summed row gradients.
     g2_mean: float32 (n,) mean over the table's full width of g^2 (row-wise Adagrad).
     lr: learning rate (python float or traced scalar).

@@ -36,10 +36,12 @@ from gem_jax.embedding.config import FeatureConfig, SparseOptimizerConfig, Table
 BATCH = ("replica", "shard")
 REPLICATE_MAX_BYTES = 1 << 18   # 'auto': tables up to 256 KiB (with slots) are replicated
 # Owners deduplicate ids before gathering when their local weight block is at least
-# this large: there a repeated row is a cache / TLB miss saved; on smaller blocks
-# the rows stay in cache and the sort costs more than it saves (measured: +5 % step
-# time for the 'small' GEM, whose tables are a few hundred KB).
-DEDUP_MIN_BYTES = 1 << 24
+# this large. The dedup is a sort of the ids (XLA:CPU: ~7 ms for 32k ids) that saves
+# repeated random row reads. Measured on 2 CPU cores it never paid: +5 % step time
+# for the 'small' GEM (blocks of a few hundred KB), +10 % for dlrm_peer (one 205 MB
+# block), and bench_embedding at 10^5..10^7 rows (up to 320 MB per device) was
+# 3-10 % slower with it at every size. Kept for blocks beyond anything measured.
+DEDUP_MIN_BYTES = 1 << 32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,9 +46,13 @@ from gem_jax.embedding.optimizers import apply_rows, dedup_rows
 from gem_jax.embedding.plan import EmbeddingPlan
 
 
-def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
-  """Local (rows, grads) -> (unique rows, summed grads) of the whole replica group.
-  `unique`: the local rows are already distinct (one unit: `gather_rows` deduplicated)."""
+def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool, additive: bool):
+  """Local (rows, grads) -> (rows, grads) of the whole replica group, duplicates summed.
+
+  unique: the local rows are already distinct (one unit: `gather_rows` deduplicated).
+  additive: the optimizer step is a scatter-add of -lr g (SGD on fp32 rows), which
+    sums duplicate rows by itself: no deduplication (and no sort) is needed.
+  """
   axes = buf.sync_axes
   if buf.sync == "dense":                # planned only for groups of G > 1
     G = plan.sync_group(buf)
@@ -66,7 +70,7 @@ def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool):
     rows = jax.lax.all_gather(rows, axes, axis=0, tiled=True)         # (G n,) same everywhere
     g = jax.lax.all_gather(g, axes, axis=0, tiled=True)               # (G n, Dl)
     unique = False
-  return (rows, g) if unique else dedup_rows(rows, g)
+  return (rows, g) if unique or additive else dedup_rows(rows, g)
 
 
 def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, enabled=None):
@@ -98,7 +102,9 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
       rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
                            for u in units])                                     # (n, Dl)
-      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1 and units[0].dedup)
+      additive = opt.kind == "sgd" and state[name]["weight"].dtype == jnp.float32
+      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1 and units[0].dedup,
+                         additive=additive)
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum

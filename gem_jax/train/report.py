@@ -253,7 +253,10 @@ def matmul_probe_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5,
   dt = jnp.dtype(dtype)
   a = jax.device_put(jnp.ones((d, n, n), dt), sh)
   b = jax.device_put(jnp.ones((d, n, n), dt) * 0.5, sh)
-  f = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), out_shardings=sh)
+  # fp32 accumulation, as every gem_jax matmul (bf16 x bf16 -> bf16 would be upcast
+  # to an fp32 matmul by XLA:CPU and measure the fp32 peak instead)
+  f = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y, preferred_element_type=jnp.float32),
+              out_shardings=sh)
   f(a, b).block_until_ready()
   best = float("inf")
   for _ in range(repeats):
