@@ -18,12 +18,11 @@ from __future__ import annotations
 import os
 import sys
 
-_TUNABLE = "glibc.malloc.hugetlb=1"
-if __name__ == "__main__" and "--no-hugepages" not in sys.argv and \
-    _TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
-  os.environ["GLIBC_TUNABLES"] = ":".join(
-      t for t in (os.environ.get("GLIBC_TUNABLES", ""), _TUNABLE) if t)
-  os.execv(sys.executable, [sys.executable] + sys.argv)   # glibc reads tunables at start-up
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gem_jax import hostmem  # noqa: E402  (no jax import: before the re-exec)
+
+if __name__ == "__main__":
+  hostmem.use_huge_pages("--no-hugepages" not in sys.argv)
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -95,18 +94,6 @@ def timed_step(run: dict, i: int) -> None:
   run["times"].append((time.perf_counter() - t0) * 1e3)
 
 
-def _anon_hugepages_mb() -> float:
-  """Transparent huge pages this process holds now (Linux), in MB; -1 if unknown."""
-  try:
-    with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("AnonHugePages:"):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return -1.0
-
-
 def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
@@ -120,8 +107,8 @@ def summary(run: dict, args) -> dict:
       "table_bytes": int(run["rows"] * args.dim * 4),
       "peak_rss_mb": run["peak_rss_mb"], "init_s": run["init_s"],
       "compile_s": run["compile_s"], "loss": float(run["loss"]),
-      "hugepages": _TUNABLE in os.environ.get("GLIBC_TUNABLES", ""),
-      "anon_hugepages_mb": _anon_hugepages_mb(),
+      "hugepages": hostmem.huge_pages_requested(),
+      "anon_hugepages_mb": hostmem.anon_huge_pages_mb(),
       "loadavg_1m": os.getloadavg()[0],
   }
 

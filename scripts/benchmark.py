@@ -9,7 +9,8 @@ Prints a readable table (stderr) and, with --json, one JSON line per run on
 stdout (also appended to --out). With --peer torchrec, gem_jax and the peer
 alternate (never concurrently) --repeat times; the summary line holds the
 medians and the ratio gem_jax / TorchRec of examples/s, with the load average
-of every run. Fields: see gem_jax/bench/runner.py.
+of every run. Fields: see gem_jax/bench/runner.py. Host memory uses transparent
+huge pages for both sides unless --no-hugepages (gem_jax/hostmem.py).
 """
 import argparse
 import ast
@@ -38,6 +39,10 @@ def parse_args(argv=None):
   p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
   p.add_argument("--peer-threads", type=int, default=2)
   p.add_argument("--peer-python", default=None, help="TorchRec venv python")
+  p.add_argument("--no-hugepages", action="store_true",
+                 help="keep 4 KiB host pages (default: the script re-executes itself with "
+                      "GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which the peer inherits; "
+                      "see gem_jax/hostmem.py)")
   return p.parse_args(argv)
 
 
@@ -102,4 +107,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  from gem_jax import hostmem  # pylint: disable=import-outside-toplevel
+  hostmem.use_huge_pages("--no-hugepages" not in sys.argv)
   main()

@@ -8,11 +8,16 @@ On CPU, 8 devices are simulated unless XLA_FLAGS already sets a device count.
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gem_jax import hostmem  # noqa: E402  (imports no jax: the re-exec comes first)
+
+if __name__ == "__main__":  # huge pages for host tables (GLIBC_TUNABLES=glibc.malloc.hugetlb=0: off)
+  hostmem.use_huge_pages()
+
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   # Only affects the CPU platform (harmless on GPU/TPU); must precede `import jax`.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gem_jax import hostmem
 from gem_jax import embedding as emb_lib
 from gem_jax import flops as flops_lib
 from gem_jax.bench import timing
@@ -284,6 +285,8 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
                               peak["peak_flops_per_device"]))
     result["dense_share_of_step"] = result["dense_step_ms_median"] / result["step_ms_median"]
   result["peak_rss_mb"] = timing.peak_rss_mb()
+  result["host_huge_pages"] = hostmem.huge_pages_requested()
+  result["anon_huge_pages_mb"] = hostmem.anon_huge_pages_mb()
   return result
 
 

@@ -1,0 +1,46 @@
+"""Transparent huge pages for host memory (CPU training and benchmarks).
+
+Random row reads into a table of hundreds of MB miss the TLB on nearly every access
+with 4 KiB pages. glibc >= 2.35 advises huge pages for its large allocations when
+started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (machines whose THP mode is
+'madvise' need that advice; with 'always' it changes nothing). Tunables are read at
+process start, so `use_huge_pages` re-executes the script once with the variable set.
+Measured (docs/PERFORMANCE.md): dlrm_peer step 50 -> 41 ms; the embedding benchmark's
+10^7 / 10^5 row step ratio 1.40 -> 1.23. No effect on GPU/TPU tables, which live in HBM.
+
+Call it first thing in a script's `__main__`, before importing jax. It does nothing
+when GLIBC_TUNABLES already names the tunable (any value: `...hugetlb=0` opts out).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+TUNABLE = "glibc.malloc.hugetlb"
+
+
+def use_huge_pages(enabled: bool = True) -> None:
+  """Re-executes the running script with GLIBC_TUNABLES += glibc.malloc.hugetlb=1."""
+  current = os.environ.get("GLIBC_TUNABLES", "")
+  if not enabled or TUNABLE in current or not sys.platform.startswith("linux"):
+    return
+  os.environ["GLIBC_TUNABLES"] = ":".join(t for t in (current, TUNABLE + "=1") if t)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, [sys.executable] + sys.argv)
+
+
+def huge_pages_requested() -> bool:
+  return TUNABLE + "=1" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def anon_huge_pages_mb() -> float:
+  """AnonHugePages of this process (MB), from /proc/self/smaps_rollup; 0 if unknown."""
+  try:
+    with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("AnonHugePages:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return 0.0

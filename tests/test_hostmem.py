@@ -1,0 +1,41 @@
+"""gem_jax.hostmem: the huge-page re-exec sets the tunable once and respects an opt-out."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+from gem_jax import hostmem
+print("start", os.getpid(), flush=True)
+hostmem.use_huge_pages()
+print("tunables", os.environ.get("GLIBC_TUNABLES", ""), hostmem.huge_pages_requested())
+"""
+
+
+def _run(tmp_path, env_tunables=None):
+  path = tmp_path / "s.py"
+  path.write_text(SCRIPT.format(root=ROOT))
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  if env_tunables is not None:
+    env["GLIBC_TUNABLES"] = env_tunables
+  out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                       timeout=60, check=True).stdout.split("\n")
+  return [l for l in out if l]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
+def test_reexec_once_same_pid(tmp_path):
+  lines = _run(tmp_path, "glibc.malloc.arena_max=2")
+  starts = [l for l in lines if l.startswith("start")]
+  assert len(starts) == 2 and len({s.split()[1] for s in starts}) == 1  # execv keeps the pid
+  assert lines[-1] == "tunables glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1 True"
+
+
+def test_opt_out_is_respected(tmp_path):
+  lines = _run(tmp_path, "glibc.malloc.hugetlb=0")
+  assert len([l for l in lines if l.startswith("start")]) == 1
+  assert lines[-1] == "tunables glibc.malloc.hugetlb=0 False"
