@@ -2,8 +2,8 @@
 
 Precision policy (set once per model, passed down as arguments):
   * parameters are stored in `param_dtype` (fp32 master weights);
-  * inputs and weights are cast to `dtype` (bf16 on GPU/TPU, fp32 on CPU) for the
-    matmul, with fp32 accumulation;
+  * inputs and weights are cast to `dtype` (bf16 on GPU/TPU; CPU configs choose) for
+    the matmul, with fp32 accumulation; the bias is added in fp32, then cast to `dtype`;
   * `fp8=True` runs the forward matmul on per-tensor scaled `float8_e4m3fn`
     operands (current scaling: scale = amax / 448), accumulating in fp32; the
     backward pass uses the unquantized operands in `dtype` (straight-through).
