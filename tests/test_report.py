@@ -179,14 +179,15 @@ def test_profiler_traces_chosen_steps(tmp_path):
   prof = report.Profiler(str(tmp_path), "2,4", enabled=True)
   f = jax.jit(lambda x: jnp.tanh(x @ x))
   x = jnp.ones((32, 32))
-  started = []
+  started, announced = [], []
   for step in range(6):
+    announced.append(prof.starts_at(step))
     started.append(prof.maybe_start(step))
     with report.step_annotation(step):
       x = f(x)
     prof.maybe_stop(step + 1, x)
   prof.close()
-  assert started == [False, False, True, False, False, False]
+  assert started == announced == [False, False, True, False, False, False]
   assert prof.done and not prof.active
   assert glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
   traces = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.trace.json.gz"))

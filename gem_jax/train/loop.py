@@ -361,6 +361,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       check_every=config.train.get("preempt_check_every", 1)).install()
   try:
     while step < min(steps, stop_at):
+      if profiler.starts_at(step):  # the trace holds steps only: no async checkpoint write or
+        ckpt.wait()                 # queued work runs while the profiler session starts
+        jax.block_until_ready(state)
       profiler.maybe_start(step)
       with report.step_annotation(step):
         state, metrics = train_fn(state, batch)
@@ -370,7 +373,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         state = nonfinite.rolled_back(state, restore_or_init(s, ckpt, config.seed)[0])
       watchdog.beat(step)
       running = metrics if running is None else jax.tree.map(lambda a, b: a + b, running, metrics)
-      profiler.maybe_stop(step, metrics)
+      profiler.maybe_stop(step, state, metrics)
 
       if step % config.train.log_every == 0 or step == steps:
         host = {k: float(v) / n_log for k, v in jax.device_get(running).items()}

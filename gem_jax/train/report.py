@@ -378,6 +378,11 @@ class Profiler:
     self.active = False
     self.done = False
 
+  def starts_at(self, step: int) -> bool:
+    """Whether `maybe_start(step)` will start the trace."""
+    return bool(self.enabled and not self.active and not self.done
+                and self.range[0] <= step < self.range[1])
+
   def maybe_start(self, step: int) -> bool:
     """Starts tracing when `step` is in range (once); returns whether it started now."""
     if not self.enabled or self.active or self.done:
