@@ -18,8 +18,8 @@ the masked mean loss. Micro-batch i takes rows i, i+k, i+2k, ... so every
 device keeps its own rows (no resharding).
 
 Precision: params fp32; the model computes in its configured dtype (bf16 on
-GPU, fp32 on CPU), fp8 and remat switches live in the model config; logits,
-loss and all gradients are fp32.
+GPU; on CPU per config: bf16 for the peer configs, fp32 for the small GEM), fp8
+and remat switches live in the model config; logits, loss and all gradients are fp32.
 
 Metrics come back as device scalars (no host sync); the loop reads them at
 log cadence.
