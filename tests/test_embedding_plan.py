@@ -50,6 +50,23 @@ def test_dedup_rows_sums_duplicates():
   assert summed[:, 0].tolist() == [4.0, 3.0, 0.0, 0.0]
 
 
+def test_dense_accumulation_equals_sorted_dedup():
+  """The 'dense' replica sync's per-row accumulation (update._accumulate) sums the
+  same rows as the sort of `dedup_rows`."""
+  from gem_jax.embedding.update import _accumulate, _touched_rows
+  rng = np.random.default_rng(0)
+  rows = jnp.asarray(rng.integers(-1, 12, size=40), jnp.int32)     # repeats and padding
+  g = jnp.asarray(rng.normal(size=(40, 3)), jnp.float32)
+  want_rows, want = dedup_rows(rows, g)
+  got_rows, got = _touched_rows(_accumulate(rows, g, 12), 12)
+  want_map = {int(r): np.asarray(v) for r, v in zip(want_rows, want) if r >= 0}
+  got_map = {int(r): np.asarray(v) for r, v in zip(got_rows, got) if r >= 0}
+  assert sorted(got_map) == sorted(want_map) == sorted(set(np.asarray(rows).tolist()) - {-1})
+  for r, v in want_map.items():
+    np.testing.assert_allclose(got_map[r], v, rtol=1e-6, atol=1e-6)
+  assert not np.asarray(got)[np.asarray(got_rows) < 0].any()      # untouched rows carry zeros
+
+
 # ---- planner -----------------------------------------------------------------------
 def _tables():
   return [TableConfig("big", 100_000, 64), TableConfig("mid1", 5_000, 32),
