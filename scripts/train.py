@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gem_jax import hostmem  # noqa: E402  (imports no jax: the re-exec comes first)
 
-if __name__ == "__main__":  # huge pages for host tables (GLIBC_TUNABLES=glibc.malloc.hugetlb=0: off)
+if __name__ == "__main__":  # host tables in huge pages; GLIBC_TUNABLES=glibc.malloc.hugetlb=0: off
   hostmem.use_huge_pages()
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
