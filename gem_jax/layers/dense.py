@@ -72,11 +72,18 @@ def _row_major_t(a: jax.Array) -> jax.Array:
   return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
 
 
+def matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
+  """x @ w with both operands cast to `dtype`, fp32 accumulation and result.
+  x: (..., K), w: (K, N) -> (..., N)."""
+  return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
   """x @ w in `dtype` with fp32 accumulation, returned in fp32. x: (..., K), w: (K, N).
 
-  Same value as the plain einsum; only the backward pass differs. Autodiff emits
+  Same value as `matmul`; only the backward pass differs. Autodiff emits
   dW = x^T g as a dot contracting over the leading (batch) axis of both operands,
   and dx = g w^T with a transposed weight. XLA:CPU's matmul library (YNNPACK) takes
   bf16 dots only when both operands are row-major with the lhs contracting axis
@@ -86,8 +93,7 @@ def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
     dW = (x^T) @ g    (K, M) x (M, N)       x^T copied row-major (M = rows of x)
   and dW is accumulated and returned in fp32 (w's dtype), not rounded to bf16.
   """
-  return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  return matmul(x, w, dtype)
 
 
 def _rm_fwd(x, w, dtype):
@@ -167,8 +173,7 @@ class Dense(nnx.Module):
     elif use_row_major_backward(self.dtype):
       y = row_major_matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
     else:
-      y = jnp.einsum("...k,kn->...n", x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                     preferred_element_type=jnp.float32)  # (..., N) fp32
+      y = matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
     if self.bias is not None:  # added in fp32: its gradient is then an fp32 sum over rows
       y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     y = y.astype(self.dtype)

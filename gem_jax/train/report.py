@@ -385,15 +385,12 @@ class Profiler:
 
   def maybe_start(self, step: int) -> bool:
     """Starts tracing when `step` is in range (once); returns whether it started now."""
-    if not self.enabled or self.active or self.done:
+    if not self.starts_at(step):
       return False
-    start, stop = self.range
-    if start <= step < stop:
-      os.makedirs(self.workdir, exist_ok=True)
-      jax.profiler.start_trace(self.workdir, create_perfetto_trace=True)
-      self.active = True
-      return True
-    return False
+    os.makedirs(self.workdir, exist_ok=True)
+    jax.profiler.start_trace(self.workdir, create_perfetto_trace=True)
+    self.active = True
+    return True
 
   def maybe_stop(self, steps_done: int, *block_on: Any) -> bool:
     """Stops tracing once `steps_done >= stop`; returns whether it stopped now."""
