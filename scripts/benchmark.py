@@ -4,6 +4,7 @@
   python scripts/benchmark.py --config dlrm_peer --devices 1 --peer torchrec --repeat 3
   python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec --json
   python scripts/benchmark.py --config medium --set model.fp8=True --json
+  python scripts/benchmark.py --config small --devices 1 --matmul-ceiling
 
 Prints a readable table (stderr) and, with --json, one JSON line per run on
 stdout (also appended to --out). With --peer torchrec, gem_jax and the peer
@@ -36,6 +37,9 @@ def parse_args(argv=None):
   p.add_argument("--cache-dir", default=None, help="persistent compile cache (default: fresh)")
   p.add_argument("--no-warm-compile", action="store_true")
   p.add_argument("--no-dense-part", action="store_true", help="skip the dense-only timing")
+  p.add_argument("--matmul-ceiling", action="store_true",
+                 help="time every dot of the dense part alone: the MFU its shapes allow "
+                      "(one device; gem_jax/bench/matmul_ceiling.py)")
   p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
   p.add_argument("--peer-threads", type=int, default=2)
   p.add_argument("--peer-python", default=None, help="TorchRec venv python")
@@ -73,7 +77,8 @@ def main(argv=None):
   name = os.path.basename(args.config)[:-3] if args.config.endswith(".py") else args.config
   opts = runner.BenchOptions(steps=args.steps, warmup=args.warmup, pool=args.pool,
                              cache_dir=args.cache_dir, warm_compile=not args.no_warm_compile,
-                             dense_part=not args.no_dense_part, dump_hlo=args.dump_hlo)
+                             dense_part=not args.no_dense_part, dump_hlo=args.dump_hlo,
+                             matmul_ceiling=args.matmul_ceiling)
   rows = []
 
   def emit(row):
@@ -91,6 +96,8 @@ def main(argv=None):
     res["repeat"] = r
     emit(res)
     print(report_table.format_run(res), file=sys.stderr, flush=True)
+    if res.get("matmul_top"):
+      print(report_table.format_matmuls(res["matmul_top"]), file=sys.stderr, flush=True)
     if args.peer:
       cmd = peer_lib.peer_command_from_config(config, steps=max(args.steps, 20), warmup=5,
                                               threads=args.peer_threads, python=args.peer_python)

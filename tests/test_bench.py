@@ -19,6 +19,7 @@ def bench_rows():
   """One real run of scripts/benchmark.py (1 CPU device, few steps) on a shrunken dlrm_peer."""
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--config", "dlrm_peer",
          "--devices", "1", "--json", "--steps", "3", "--warmup", "1", "--pool", "2",
+         "--matmul-ceiling",
          "--set", "data.rows=1000", "--set", "data.batch_size=64", "--set", "data.pool=2",
          "--set", "model.overrides.bottom_mlp=(16,)", "--set", "model.overrides.top_mlp=(16,)"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -47,6 +48,10 @@ def test_benchmark_json_fields_are_sane(bench_rows):
   assert np.isfinite(r["loss_first"]) and np.isfinite(r["loss_last"])
   assert r["loadavg_1m"] >= 0 and r["dense_step_ms_median"] > 0
   assert "examples/s (median step)" in table and "MFU" in table
+  # the dense part's dots timed alone bound its MFU from above
+  assert r["matmul_count"] >= 3 * 4 and r["matmul_flops_per_step"] > 0
+  assert r["dense_mfu_ceiling"] >= r["dense_mfu"] > 0
+  assert len(r["matmul_top"]) == min(10, r["matmul_shapes"]) and "dense MFU ceiling" in table
 
 
 # ------------------------------------------------------------------- the peer --

@@ -37,6 +37,10 @@ def format_run(r: dict) -> str:
       ("MFU", _num(100 * (r.get("mfu") or float("nan")), "{:.1f} %")),
       ("dense part ms / MFU", f"{_num(r.get('dense_step_ms_median'), '{:.2f}')} / "
                               f"{_num(100 * (r.get('dense_mfu') or float('nan')), '{:.1f} %')}"),
+      *([("dense MFU ceiling (matmuls alone)",
+           f"{_num(100 * r['dense_mfu_ceiling'], '{:.1f} %')} ({r['matmul_count']} dots, "
+           f"{_num(r['matmul_ms'], '{:.2f}')} ms, {_num(100 * r['matmul_efficiency'], '{:.1f}')}"
+           f" % of peak)")] if "dense_mfu_ceiling" in r else []),
       ("embedding exchange B/step", _num(r.get("embedding_exchange_bytes_per_step"), "{:,d}")),
       ("memory GiB (compiled peak)", _num((r.get("mem_peak_bytes_compiled") or 0) / gib, "{:.3f}")),
       ("device peak GiB", _num(None if r.get("device_peak_bytes") is None
@@ -48,6 +52,14 @@ def format_run(r: dict) -> str:
   ]
   w = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k:<{w}} | {v}" for k, v in rows)
+
+
+def format_matmuls(top: Sequence[dict]) -> str:
+  """The dense part's dots by total time (the `matmul_top` rows of a run)."""
+  lines = ["  dots by total time:  ms total  count  GFLOP/s  shape"]
+  lines += [f"  {m['ms_total']:29.2f} {m['count']:6d} {m['gflops_per_s']:8.1f}  {m['shape']}"
+            for m in top]
+  return "\n".join(lines)
 
 
 def format_peer(p: dict) -> str:

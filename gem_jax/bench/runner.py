@@ -13,7 +13,9 @@ What is measured, in this order (all in one process):
   4. `warmup` untimed steps, then `steps` steps timed one by one (median/min/max),
      then the same number dispatched back to back (pipelined examples/s);
   5. optionally the dense part alone: `step.dense_grads` + the dense optimizer on
-     fixed embeddings (no lookup, no exchange, no sparse update), for dense MFU.
+     fixed embeddings (no lookup, no exchange, no sparse update), for dense MFU;
+  6. optionally the MFU ceiling of the dense part's matmul shapes: every dot of its
+     traced program timed alone (`gem_jax.bench.matmul_ceiling`).
 
 MFU = analytic train FLOPs per example (`gem_jax.flops`, 3 x forward) x examples/s
 / (devices x peak). Memory: the compiled step's `memory_analysis()` (arguments +
@@ -38,6 +40,7 @@ import numpy as np
 from gem_jax import hostmem
 from gem_jax import embedding as emb_lib
 from gem_jax import flops as flops_lib
+from gem_jax.bench import matmul_ceiling
 from gem_jax.bench import timing
 from gem_jax.data import pipeline
 from gem_jax.parallel import sharding as shd
@@ -185,6 +188,26 @@ def dense_step_fn(s: loop.Setup):
   return jax.jit(fn, donate_argnums=(0, 1))
 
 
+def _matmul_ceiling(s, state, batch, step_flops_per_device, peak) -> dict[str, Any]:
+  """MFU ceiling of the dense part: its jaxpr's dots, each timed alone (per device).
+
+  On a mesh the traced dots are global shapes; the ceiling is then the one of a
+  single device running the whole batch, so it is only reported for one device.
+  """
+  if s.mesh.size != 1:
+    return {}
+  emb = emb_lib.lookup(s.plan, state.emb, batch["ids"], batch.get("weights"))
+  jaxpr = jax.make_jaxpr(dense_step_fn(s))(state.params, state.opt_state, state.model_state,
+                                           emb, batch)
+  c = matmul_ceiling.ceiling(matmul_ceiling.collect_dots(jaxpr), step_flops_per_device, peak)
+  top = [{"shape": t.shape.describe(), "count": t.count, "ms_total": 1e3 * t.total_s,
+          "gflops_per_s": t.flops_per_s / 1e9} for t in c["timings"][:10]]
+  return {"matmul_count": c["dot_count"], "matmul_shapes": c["dot_shapes"],
+          "matmul_ms": c["dot_ms"], "matmul_flops_per_step": c["dot_flops"],
+          "matmul_efficiency": c["dot_efficiency"], "dense_mfu_ceiling": c["mfu_ceiling"],
+          "matmul_top": top}
+
+
 # --------------------------------------------------------------------- run --
 
 @dataclasses.dataclass
@@ -196,6 +219,7 @@ class BenchOptions:
   warm_compile: bool = True
   dense_part: bool = True
   dump_hlo: str | None = None      # write the optimized HLO text of the step here
+  matmul_ceiling: bool = False     # time the dense part's dots alone (bound on dense MFU)
 
 
 def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -> dict[str, Any]:
@@ -284,6 +308,9 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     result.update(_dense_part(s, config, state, batches, opts, flops, n_dev,
                               peak["peak_flops_per_device"]))
     result["dense_share_of_step"] = result["dense_step_ms_median"] / result["step_ms_median"]
+  if opts.matmul_ceiling:
+    result.update(_matmul_ceiling(s, state, batches[0], flops * config.data.batch_size / n_dev,
+                                  peak["peak_flops_per_device"]))
   result["peak_rss_mb"] = timing.peak_rss_mb()
   result["host_huge_pages"] = hostmem.huge_pages_requested()
   result["anon_huge_pages_mb"] = hostmem.anon_huge_pages_mb()
