@@ -101,8 +101,14 @@ def test_row_major_matmul_matches_autodiff():
   ref = _grads(_plain, x, w, jnp.float32)
   for got, want in zip(_grads(row_major_matmul, x, w, jnp.float32), ref):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  ours = _grads(row_major_matmul, x, w, jnp.bfloat16)
-  autodiff = _grads(_plain, x, w, jnp.bfloat16)
+  _assert_bf16_grads_as_good_as_autodiff(row_major_matmul, _plain, x, w, ref)
+
+
+def _assert_bf16_grads_as_good_as_autodiff(fn, plain, x, w, ref):
+  """fn's bf16 gradients: no further from the fp32 ones than autodiff's bf16 gradients
+  (1.5x, plus 0.1 % of the largest), under 2 % of the largest, and dW in fp32."""
+  ours = _grads(fn, x, w, jnp.bfloat16)
+  autodiff = _grads(plain, x, w, jnp.bfloat16)
   assert ours[1].dtype == jnp.float32
   for o, a, r in zip(ours, autodiff, ref):
     err_o, err_a = (float(jnp.max(jnp.abs(v.astype(jnp.float32) - r))) for v in (o, a))
@@ -137,21 +143,96 @@ def test_dense_auto_rule_and_override():
     assert dense.use_row_major_backward(jnp.float32)
 
 
-def test_row_major_matmul_sharded_matches_one_device():
+@pytest.mark.parametrize("kind", ["row_major_matmul", "lowp_einsum"])
+def test_bf16_backward_sharded_matches_one_device(kind):
   """Batch-split x and an FSDP-split w on a 2 x 4 mesh: same gradients as unsharded
-  (the layout constraints compose with the SPMD partitioner)."""
+  (the custom backward, and row-major's layout constraints, compose with the SPMD
+  partitioner)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from gem_jax.layers.dense import row_major_matmul
+  from gem_jax.layers import dense
   from gem_jax.parallel.mesh import make_mesh
   mesh = make_mesh((2, 4))
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(48, 40)) / 7, jnp.float32)
-  loss = lambda x, w: jnp.sum(jnp.sin(row_major_matmul(x, w, jnp.bfloat16)))
-  want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  mm = {"row_major_matmul": dense.row_major_matmul,
+        "lowp_einsum": lambda x, w, dt: dense.lowp_einsum("bk,kn->bn", x, w, dt)}[kind]
+  loss = lambda x, w: jnp.sum(jnp.sin(mm(x, w, jnp.bfloat16)))
+  grad = lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))
   xs = jax.device_put(x, NamedSharding(mesh, P(("replica", "shard"), None)))
   ws = jax.device_put(w, NamedSharding(mesh, P("shard", None)))
-  got = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+  with dense.lowp_backward(True):
+    want = grad()(x, w)
+    got = grad()(xs, ws)
   for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0,
                                atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+# ------------------------------------------- backward in the compute dtype (GPU/TPU) --
+
+@pytest.mark.parametrize("spec,a_shape,b_shape", [
+    ("...k,kn->...n", (64, 3, 40), (40, 24)),      # Dense: activations x fp32 weight
+    ("bld,bmd->blm", (8, 12, 32), (8, 5, 32)),     # two activations, a batch axis
+])
+def test_lowp_einsum_matches_autodiff(spec, a_shape, b_shape):
+  """Forced on (its auto rule is GPU/TPU only): same forward; fp32 gradients equal
+  autodiff's; bf16 gradients as good as autodiff's, the fp32 operand's in fp32."""
+  from gem_jax.layers import dense
+  rng = np.random.default_rng(2)
+  a = jnp.asarray(rng.normal(size=a_shape), jnp.float32)
+  b = jnp.asarray(rng.normal(size=b_shape) / 6, jnp.float32)
+  plain = lambda a, b, dt: jnp.einsum(spec, a.astype(dt), b.astype(dt),
+                                      preferred_element_type=jnp.float32)
+  ours = lambda a, b, dt: dense.lowp_einsum(spec, a, b, dt)
+  with dense.lowp_backward(True):
+    np.testing.assert_array_equal(ours(a, b, jnp.bfloat16), plain(a, b, jnp.bfloat16))
+    ref = _grads(plain, a, b, jnp.float32)
+    for got, want in zip(_grads(ours, a, b, jnp.float32), ref):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_bf16_grads_as_good_as_autodiff(ours, plain, a, b, ref)
+
+
+@pytest.mark.parametrize("spec", ["ij,jk", "ij,jk->k", "ij,jk,kl->il"])
+def test_lowp_einsum_rejects_specs_it_cannot_transpose(spec):
+  from gem_jax.layers import dense
+  with dense.lowp_backward(True), pytest.raises(ValueError, match="einsum spec"):
+    dense.lowp_einsum(spec, jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.bfloat16)
+
+
+def test_bf16_backward_of_the_gpu_program_has_no_mixed_dots():
+  """The GEM step as GPU/TPU trace it (no CPU row-major rewrite): with the rule on,
+  every dot takes two operands of one dtype and bf16 carries >= 99 % of the FLOPs;
+  plain autodiff hands fp32 cotangents to the backward dots (fp32 x bf16, which
+  XLA upcasts to fp32 matmuls) for about 2/3 of them."""
+  from gem_jax.bench.matmul_ceiling import collect_dots
+  from gem_jax.layers import dense
+  x = random_inputs(SPEC, {f.name: 64 for f in SPEC.sparse}, B, seed=0)
+  _, _, m = _setup(dtype="bfloat16", num_blocks=1)
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+  def loss(p):
+    return jnp.sum(nnx.merge(graphdef, p, rest)(x))
+
+  def flop_share(lowp):
+    with dense.row_major_backward(False), dense.lowp_backward(lowp):
+      dots = collect_dots(jax.make_jaxpr(jax.grad(loss))(params))
+    total = sum(c * d.flops for d, c in dots.items())
+    mixed = sum(c * d.flops for d, c in dots.items() if d.lhs_dtype != d.rhs_dtype)
+    bf16 = sum(c * d.flops for d, c in dots.items() if d.lhs_dtype == d.rhs_dtype == "bfloat16")
+    return mixed / total, bf16 / total
+
+  mixed, bf16 = flop_share(True)
+  assert mixed == 0 and bf16 >= 0.99, (mixed, bf16)
+  mixed_autodiff, _ = flop_share(False)
+  assert mixed_autodiff > 0.3, mixed_autodiff
+
+
+def test_lowp_auto_rule_and_override():
+  from gem_jax.layers import dense
+  assert dense.use_lowp_backward(jnp.bfloat16) == (jax.default_backend() != "cpu")
+  assert not dense.use_lowp_backward(jnp.float32)
+  with dense.lowp_backward(True):
+    assert dense.use_lowp_backward(jnp.float32)
+  with dense.lowp_backward(False):
+    assert not dense.use_lowp_backward(jnp.bfloat16)

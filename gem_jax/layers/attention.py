@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.layers.dense import Dense, param
+from gem_jax.layers.dense import Dense, lowp_einsum, param
 from gem_jax.layers.norm import LayerNorm, RMSNorm
 from gem_jax.layers.rope import apply_rope
 
@@ -93,13 +93,11 @@ def attention_weights(s: jax.Array, allowed: jax.Array, score: str, norm: float)
 
 def _attend(q, k, v, allowed, bias, *, score, scale, norm, dtype):
   """q (..., Lq, H, dh), k/v (..., Lk, H, dh) -> (..., Lq, H, dh) in dtype."""
-  s = jnp.einsum("...qhd,...khd->...hqk", q, k,
-                 preferred_element_type=jnp.float32) * scale  # (..., H, Lq, Lk)
+  s = lowp_einsum("...qhd,...khd->...hqk", q, k, q.dtype) * scale  # (..., H, Lq, Lk) fp32
   if bias is not None:
     s = s + bias
   p = attention_weights(s, allowed, score, norm)  # (..., H, Lq, Lk) fp32
-  o = jnp.einsum("...hqk,...khd->...qhd", p.astype(v.dtype), v,
-                 preferred_element_type=jnp.float32)  # (..., Lq, H, dh)
+  o = lowp_einsum("...hqk,...khd->...qhd", p, v, v.dtype)  # (..., Lq, H, dh) fp32
   return o.astype(dtype)
 
 

@@ -7,9 +7,14 @@ Precision policy (set once per model, passed down as arguments):
   * `fp8=True` runs the forward matmul on per-tensor scaled `float8_e4m3fn`
     operands (current scaling: scale = amax / 448), accumulating in fp32; the
     backward pass uses the unquantized operands in `dtype` (straight-through).
-  * bf16 on CPU: `row_major_matmul` writes the backward pass as two row-major
-    matmuls so that XLA:CPU runs them in bf16 in its matmul library (see there);
-    the weight gradient is then accumulated and returned in fp32.
+  * backward in `dtype` too (`lowp_einsum`, every contraction of the model): the
+    fp32 cotangent is cast to `dtype` before the two backward dots, which accumulate
+    in fp32; gradients come back in each operand's own dtype (fp32 for the master
+    weights, unrounded). Plain autodiff would hand fp32 cotangents to the backward
+    dots, and XLA upcasts such mixed fp32 x bf16 dots to fp32 matmuls (TF32 at best
+    on GPU, fp32 Eigen on CPU);
+  * bf16 on CPU: `row_major_matmul` also writes the two backward matmuls with
+    row-major operands so that XLA:CPU runs them in its bf16 matmul library.
 
 Parameters carry logical axis names in their `logical_axes` metadata, e.g.
 `('embed', 'mlp')`; `gem_jax.parallel.sharding` maps those names onto mesh axes
@@ -67,25 +72,75 @@ def _fp8_bwd(res, g):
 fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+def _einsum_operands(spec: str) -> tuple[str, str, str]:
+  """'bld,bmd->blm' -> ('bld', 'bmd', 'blm'), checked to be transposable.
+
+  Both backward einsums reuse the spec's letters ('out,b->a' and 'a,out->b'), so
+  every index of one operand must appear in the other operand or in the output.
+  """
+  ins, arrow, out = spec.replace(" ", "").partition("->")
+  operands = ins.split(",")
+  if not arrow or len(operands) != 2:
+    raise ValueError(f"einsum spec {spec!r}: expected two operands and an explicit '->'")
+  a, b = operands
+  for mine, other in ((a, b), (b, a)):
+    lost = sorted(set(mine.replace(".", "")) - set(other) - set(out))
+    if lost:
+      raise ValueError(f"einsum spec {spec!r}: index {lost} is summed within one operand")
+  return a, b, out
+
+
+def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Array:
+  """einsum(spec, a, b) on operands cast to `dtype`, fp32 accumulation and result.
+
+  Narrower than fp32 (bf16, fp16), the backward dots also run in `dtype`:
+    da = einsum('out,b->a', g.astype(dtype), b),   db = einsum('a,out->b', a, g.astype(dtype))
+  with fp32 accumulation, returned in a's and b's own dtypes (an fp32 weight gets
+  an fp32 gradient). Otherwise (fp32, or the CPU backend, see `use_lowp_backward`)
+  this is plain `jnp.einsum` with autodiff.
+  """
+  if not use_lowp_backward(dtype):
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+  _einsum_operands(spec)
+  return _lowp_einsum(spec, a, b, jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _lowp_einsum(spec, a, b, dtype):
+  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _lowp_fwd(spec, a, b, dtype):
+  ac, bc = a.astype(dtype), b.astype(dtype)
+  y = jnp.einsum(spec, ac, bc, preferred_element_type=jnp.float32)
+  return y, (ac, bc, jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))  # last: dtypes
+
+
+def _lowp_bwd(spec, dtype, res, g):
+  ac, bc, a_proto, b_proto = res
+  sa, sb, out = _einsum_operands(spec)
+  g = g.astype(dtype)
+  da = jnp.einsum(f"{out},{sb}->{sa}", g, bc, preferred_element_type=jnp.float32)
+  db = jnp.einsum(f"{sa},{out}->{sb}", ac, g, preferred_element_type=jnp.float32)
+  return da.astype(a_proto.dtype), db.astype(b_proto.dtype)
+
+
+_lowp_einsum.defvjp(_lowp_fwd, _lowp_bwd)
+
+
 def _row_major_t(a: jax.Array) -> jax.Array:
   """a (M, N) -> a^T (N, M), materialized row-major (a transpose copy, ~0.3 ms for 4096 x 512)."""
   return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
-
-
-def matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
-  """x @ w with both operands cast to `dtype`, fp32 accumulation and result.
-  x: (..., K), w: (K, N) -> (..., N)."""
-  return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
   """x @ w in `dtype` with fp32 accumulation, returned in fp32. x: (..., K), w: (K, N).
 
-  Same value as `matmul`; only the backward pass differs. Autodiff emits
-  dW = x^T g as a dot contracting over the leading (batch) axis of both operands,
-  and dx = g w^T with a transposed weight. XLA:CPU's matmul library (YNNPACK) takes
+  Same value and dtypes as `lowp_einsum('...k,kn->...n', x, w, dtype)`; only the
+  operand layouts of the backward differ. Its dW = x^T g is a dot contracting over
+  the leading (batch) axis of both operands, and dx = g w^T uses a transposed
+  weight. XLA:CPU's matmul library (YNNPACK) takes
   bf16 dots only when both operands are row-major with the lhs contracting axis
   last, so it upcasts those two to an fp32 Eigen contraction (~125 GFLOP/s on two
   Zen 4 cores against ~350 in bf16). Here the backward is
@@ -93,7 +148,8 @@ def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
     dW = (x^T) @ g    (K, M) x (M, N)       x^T copied row-major (M = rows of x)
   and dW is accumulated and returned in fp32 (w's dtype), not rounded to bf16.
   """
-  return matmul(x, w, dtype)
+  return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def _rm_fwd(x, w, dtype):
@@ -114,18 +170,40 @@ def _rm_bwd(dtype, res, g):
 
 row_major_matmul.defvjp(_rm_fwd, _rm_bwd)
 
-_ROW_MAJOR_BACKWARD: list[bool | None] = [None]  # None: auto (bf16 on CPU)
-
-
 @contextlib.contextmanager
-def row_major_backward(enabled: bool | None) -> Iterator[None]:
-  """Forces `row_major_matmul` on (True) or off (False) while tracing; None = auto."""
-  prev = _ROW_MAJOR_BACKWARD[0]
-  _ROW_MAJOR_BACKWARD[0] = enabled
+def _forced(cell: list, enabled: bool | None) -> Iterator[None]:
+  prev, cell[0] = cell[0], enabled
   try:
     yield
   finally:
-    _ROW_MAJOR_BACKWARD[0] = prev
+    cell[0] = prev
+
+
+_ROW_MAJOR_BACKWARD: list[bool | None] = [None]  # None: auto (bf16 on CPU)
+_LOWP_BACKWARD: list[bool | None] = [None]  # None: auto (narrow dtype, not on CPU)
+
+
+def row_major_backward(enabled: bool | None):
+  """Forces `row_major_matmul` on (True) or off (False) while tracing; None = auto."""
+  return _forced(_ROW_MAJOR_BACKWARD, enabled)
+
+
+def lowp_backward(enabled: bool | None):
+  """Forces `lowp_einsum`'s backward in the compute dtype on or off while tracing."""
+  return _forced(_LOWP_BACKWARD, enabled)
+
+
+def use_lowp_backward(dtype: Any) -> bool:
+  """Auto rule: compute dtype narrower than fp32, on GPU/TPU.
+
+  Not on XLA:CPU: its dot runtime has no bf16 x bf16 -> fp32 kernel outside the
+  row-major layouts its matmul library takes (e.g. attention's two batch axes
+  fail with UNIMPLEMENTED), while fp32 x bf16 dots it upcasts and runs; Dense
+  layers get their bf16 backward there from `row_major_matmul` instead.
+  """
+  if _LOWP_BACKWARD[0] is not None:
+    return _LOWP_BACKWARD[0]
+  return jax.default_backend() != "cpu" and jnp.dtype(dtype).itemsize < 4
 
 
 def use_row_major_backward(dtype: Any) -> bool:
@@ -173,7 +251,7 @@ class Dense(nnx.Module):
     elif use_row_major_backward(self.dtype):
       y = row_major_matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
     else:
-      y = matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
+      y = lowp_einsum("...k,kn->...n", x, self.kernel[...], self.dtype)  # (..., N) fp32
     if self.bias is not None:  # added in fp32: its gradient is then an fp32 sum over rows
       y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     y = y.astype(self.dtype)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.layers.dense import Dense, param
+from gem_jax.layers.dense import Dense, lowp_einsum, param
 from gem_jax.layers.mlp import MLP, LayerNorm
 
 Dtype = Any
@@ -90,8 +90,7 @@ class SparseProjector(nnx.Module):
       for i, n in enumerate(names):
         x = sparse[n].astype(self.dtype)  # (B, D_f)
         if w is not None:
-          x = jnp.einsum("bk,kd->bd", x, w[i],
-                         preferred_element_type=jnp.float32).astype(self.dtype)  # (B, d)
+          x = lowp_einsum("bk,kd->bd", x, w[i], self.dtype).astype(self.dtype)  # (B, d)
         out[n] = x
     return jnp.stack([out[n] for n in self.names], axis=1)  # (B, n_sparse, d)
 

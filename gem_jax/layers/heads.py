@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from gem_jax.layers.dense import param
+from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.mlp import ACTIVATIONS
 
 Dtype = Any
@@ -67,10 +67,10 @@ class GroupedMLP(nnx.Module):
       g_, k_, n_ = w.shape
       if x.ndim == 2:  # shared input: one (B, K) x (K, G N) matmul
         wk = jnp.transpose(w, (1, 0, 2)).reshape(k_, g_ * n_)
-        y = jnp.einsum("bk,km->bm", x, wk, preferred_element_type=jnp.float32)
+        y = lowp_einsum("bk,km->bm", x, wk, self.dtype)
         y = y.reshape(-1, g_, n_)  # (B, G, N)
       else:  # per-group 2-D matmuls (XLA:CPU lacks batched bf16 x bf16 -> f32 dots)
-        y = jnp.stack([jnp.einsum("bk,kn->bn", x[:, g], w[g], preferred_element_type=jnp.float32)
+        y = jnp.stack([lowp_einsum("bk,kn->bn", x[:, g], w[g], self.dtype)
                        for g in range(g_)], axis=1)  # (B, G, N)
       x = (y + b[...].astype(jnp.float32)[None]).astype(self.dtype)
       x = final(x) if j == n - 1 else act(x)
@@ -124,12 +124,10 @@ class MultiTaskHeads(nnx.Module):
       all_logits = self.towers(h)  # (B, D, T)
       return _select(all_logits, domain).astype(jnp.float32)  # (B, T)
     experts = self.experts(h)  # (B, E, H_e)
-    g_all = jnp.einsum("bk,dkm->bdm", h, self.gates[...].astype(self.dtype),
-                       preferred_element_type=jnp.float32)  # (B, D, T * E)
+    g_all = lowp_einsum("bk,dkm->bdm", h, self.gates[...], self.dtype)  # (B, D, T * E)
     g = _select(g_all, domain)  # (B, T * E)
     g = jax.nn.softmax(g.reshape(b, self.num_tasks, self.num_experts), axis=-1)  # (B, T, E)
-    z = jnp.einsum("bte,beh->bth", g.astype(self.dtype), experts,
-                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, T, H_e)
+    z = lowp_einsum("bte,beh->bth", g, experts, self.dtype).astype(self.dtype)  # (B, T, H_e)
     logits = self.task_towers(z)  # (B, T, 1)
     return logits[..., 0].astype(jnp.float32)  # (B, T)
 

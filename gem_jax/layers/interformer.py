@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.layers.attention import PMA, Attention, attention_flops, pma_flops
-from gem_jax.layers.dense import Dense, param
+from gem_jax.layers.dense import Dense, lowp_einsum, param
 from gem_jax.layers.norm import LayerNorm
 from gem_jax.layers.sequence import remat_call
 
@@ -107,10 +107,10 @@ class PFFN(nnx.Module):
       raise ValueError(f"x_sum has {x_sum.shape[1]} tokens, expected {self.n_summary}")
     k = self.w_k(x_sum)  # (B, m, D)
     v = self.w_v(x_sum)  # (B, m, D)
-    h = jnp.einsum("bld,bmd->blm", self.norm(s), k,
-                   preferred_element_type=jnp.float32) / math.sqrt(self.d_model)  # (B, L, m)
+    h = lowp_einsum("bld,bmd->blm", self.norm(s), k,
+                    self.dtype) / math.sqrt(self.d_model)  # (B, L, m)
     h = jax.nn.gelu(h).astype(self.dtype)
-    y = jnp.einsum("blm,bmd->bld", h, v, preferred_element_type=jnp.float32)  # (B, L, D)
+    y = lowp_einsum("blm,bmd->bld", h, v, self.dtype)  # (B, L, D)
     return s.astype(self.dtype) + y.astype(self.dtype)
 
 
@@ -285,8 +285,7 @@ class InterFormerBlock(nnx.Module):
     """X_sum = Gating(MLP(X)): (B, n, D) -> (B, m, D)."""
     # 'bnd,nm->bdm' then a transpose: XLA:CPU has no bf16 x bf16 -> f32 kernel for the
     # non-canonical 'bnd,nm->bmd' layout.
-    z = jnp.einsum("bnd,nm->bdm", x.astype(self.dtype), self.x_mix[...].astype(self.dtype),
-                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, D, m)
+    z = lowp_einsum("bnd,nm->bdm", x, self.x_mix[...], self.dtype).astype(self.dtype)  # (B, D, m)
     z = jnp.swapaxes(z, 1, 2)  # (B, m, D)
     z = self.x_fc2(jax.nn.gelu(self.x_fc1(z)))  # (B, m, D)
     return self.x_gate(z)  # (B, m, D)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.layers.dense import param
+from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.mlp import MLP, LayerNorm, checkpoint_call
 
 Dtype = Any
@@ -48,9 +48,8 @@ class FM(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
     y = self.y[...].astype(self.dtype)
-    xty = jnp.einsum("bnd,nk->bdk", x, y, preferred_element_type=jnp.float32)  # (B, d, k)
-    f = jnp.einsum("bnd,bdk->bnk", x, xty.astype(self.dtype),
-                   preferred_element_type=jnp.float32)  # (B, n, k)
+    xty = lowp_einsum("bnd,nk->bdk", x, y, self.dtype)  # (B, d, k)
+    f = lowp_einsum("bnd,bdk->bnk", x, xty.astype(self.dtype), self.dtype)  # (B, n, k)
     return f.astype(self.dtype)
 
 
@@ -87,8 +86,7 @@ class LCB(nnx.Module):
     self.w = param(rngs, _token_init(n), (n_l, n), param_dtype, (None, "tokens"))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum("ln,bnd->bld", self.w[...].astype(self.dtype), x.astype(self.dtype),
-                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_L, d)
+    return lowp_einsum("ln,bnd->bld", self.w[...], x, self.dtype).astype(self.dtype)  # (B, n_L, d)
 
 
 class WukongLayer(nnx.Module):
@@ -122,8 +120,8 @@ class WukongLayer(nnx.Module):
     if self.res is None:
       r = x
     else:
-      r = jnp.einsum("on,bnd->bod", self.res[...].astype(self.dtype), x,
-                     preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_out, d)
+      r = lowp_einsum("on,bnd->bod", self.res[...], x,
+                      self.dtype).astype(self.dtype)  # (B, n_out, d)
     return self.norm(y.astype(jnp.float32) + r.astype(jnp.float32))  # (B, n_out, d)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -197,8 +195,8 @@ class WukongStack(nnx.Module):
       return x
     x0 = x
     if self.x0_proj is not None:
-      x0 = jnp.einsum("on,bnd->bod", self.x0_proj[...].astype(self.dtype), x,
-                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n_out, d)
+      x0 = lowp_einsum("on,bnd->bod", self.x0_proj[...], x,
+                       self.dtype).astype(self.dtype)  # (B, n_out, d)
     sources = [x0]
     for l, layer in enumerate(self.layers):
       inp = x if l == 0 else self.cross(sources, l)  # (B, n or n_out, d)

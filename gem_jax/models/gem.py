@@ -37,7 +37,7 @@ from flax import nnx
 
 from gem_jax.data.spec import DataSpec
 from gem_jax.layers.attention import CrossAttention
-from gem_jax.layers.dense import param
+from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.features import DenseTokenizer, SequenceEmbedder, SparseProjector
 from gem_jax.layers.heads import MultiTaskHeads
 from gem_jax.layers.interformer import InterFormerBlock
@@ -137,8 +137,8 @@ class GEM(nnx.Module):
     dom = jnp.clip(inputs["domain"].astype(jnp.int32), 0, self.domain_emb[...].shape[0] - 1)
     parts.append(jnp.take(self.domain_emb[...], dom, axis=0)[:, None, :].astype(self.dtype))
     x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)  # (B, n0, d)
-    return jnp.einsum("on,bnd->bod", self.token_mix[...].astype(self.dtype), x,
-                      preferred_element_type=jnp.float32).astype(self.dtype)  # (B, n, d)
+    return lowp_einsum("on,bnd->bod", self.token_mix[...], x,
+                       self.dtype).astype(self.dtype)  # (B, n, d)
 
   def sequences(self, inputs: Mapping[str, Any], batch: int):
     """Per stream (x (B, L_i, d), valid (B, L_i), dt (B, L_i)), stream embedding added.
@@ -179,8 +179,8 @@ class GEM(nnx.Module):
       x = constrain_batch(x)
       history.append(x)
       streams = [(constrain_batch(s_i), v_i, dt_i) for s_i, (_, v_i, dt_i) in zip(seqs, streams)]
-    q = jnp.einsum("qn,bnd->bqd", self.query_mix[...].astype(self.dtype), x,
-                   preferred_element_type=jnp.float32).astype(self.dtype)  # (B, Q, d)
+    q = lowp_einsum("qn,bnd->bqd", self.query_mix[...], x,
+                    self.dtype).astype(self.dtype)  # (B, Q, d)
     targets = [attn(q, s_i, v_i).astype(self.dtype)  # (B, Q, d) per stream
                for attn, (s_i, v_i, _) in zip(self.target_attn, streams)]
     seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
