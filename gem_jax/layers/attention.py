@@ -92,13 +92,19 @@ def attention_weights(s: jax.Array, allowed: jax.Array, score: str, norm: float)
 
 
 def _attend(q, k, v, allowed, bias, *, score, scale, norm, dtype):
-  """q (..., Lq, H, dh), k/v (..., Lk, H, dh) -> (..., Lq, H, dh) in dtype."""
-  s = lowp_einsum("...qhd,...khd->...hqk", q, k, q.dtype) * scale  # (..., H, Lq, Lk) fp32
+  """q (..., Lq, H, dh), k/v (..., Lk, H, dh) -> (..., Lq, H, dh) in dtype.
+
+  The two products run head-major, (..., H, L, dh), so that every batch axis leads
+  in both operands: XLA:CPU has bf16 x bf16 -> fp32 kernels only for that form
+  (the backward of `lowp_einsum` needs them); elsewhere the layout is free.
+  """
+  q, k, v = (jnp.moveaxis(t, -2, -3) for t in (q, k, v))  # (..., H, L, dh)
+  s = lowp_einsum("...hqd,...hkd->...hqk", q, k, q.dtype) * scale  # (..., H, Lq, Lk) fp32
   if bias is not None:
     s = s + bias
   p = attention_weights(s, allowed, score, norm)  # (..., H, Lq, Lk) fp32
-  o = lowp_einsum("...hqk,...khd->...qhd", p, v, v.dtype)  # (..., Lq, H, dh) fp32
-  return o.astype(dtype)
+  o = lowp_einsum("...hqk,...hkd->...hqd", p, v, v.dtype)  # (..., H, Lq, dh) fp32
+  return jnp.moveaxis(o, -3, -2).astype(dtype)  # (..., Lq, H, dh)
 
 
 def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Array, *,

@@ -96,8 +96,8 @@ def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Arra
   Narrower than fp32 (bf16, fp16), the backward dots also run in `dtype`:
     da = einsum('out,b->a', g.astype(dtype), b),   db = einsum('a,out->b', a, g.astype(dtype))
   with fp32 accumulation, returned in a's and b's own dtypes (an fp32 weight gets
-  an fp32 gradient). Otherwise (fp32, or the CPU backend, see `use_lowp_backward`)
-  this is plain `jnp.einsum` with autodiff.
+  an fp32 gradient). In fp32 (see `use_lowp_backward`) this is plain `jnp.einsum`
+  with autodiff.
   """
   if not use_lowp_backward(dtype):
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
@@ -180,7 +180,7 @@ def _forced(cell: list, enabled: bool | None) -> Iterator[None]:
 
 
 _ROW_MAJOR_BACKWARD: list[bool | None] = [None]  # None: auto (bf16 on CPU)
-_LOWP_BACKWARD: list[bool | None] = [None]  # None: auto (narrow dtype, not on CPU)
+_LOWP_BACKWARD: list[bool | None] = [None]  # None: auto (narrow dtype)
 
 
 def row_major_backward(enabled: bool | None):
@@ -194,16 +194,15 @@ def lowp_backward(enabled: bool | None):
 
 
 def use_lowp_backward(dtype: Any) -> bool:
-  """Auto rule: compute dtype narrower than fp32, on GPU/TPU.
+  """Auto rule: compute dtype narrower than fp32, on every backend.
 
-  Not on XLA:CPU: its dot runtime has no bf16 x bf16 -> fp32 kernel outside the
-  row-major layouts its matmul library takes (e.g. attention's two batch axes
-  fail with UNIMPLEMENTED), while fp32 x bf16 dots it upcasts and runs; Dense
-  layers get their bf16 backward there from `row_major_matmul` instead.
+  On XLA:CPU a bf16 x bf16 -> fp32 dot needs its batch axes leading in both
+  operands (others fail at run time with UNIMPLEMENTED), which is why attention
+  runs head-major; a spec that breaks this must keep the rule off there.
   """
   if _LOWP_BACKWARD[0] is not None:
     return _LOWP_BACKWARD[0]
-  return jax.default_backend() != "cpu" and jnp.dtype(dtype).itemsize < 4
+  return jnp.dtype(dtype).itemsize < 4
 
 
 def use_row_major_backward(dtype: Any) -> bool:
