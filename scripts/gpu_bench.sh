@@ -1,7 +1,8 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # One H200: `medium` GEM in bf16 and with fp8, loss checked against CPU, MFU printed.
 #
 #   bash scripts/gpu_bench.sh                 # on the GPU machine, from the repository root
+#     (no network there: carry the wheels it lacks in .whl/, made here with
+#      pip download --no-deps -d .whl ml_collections tensorboardX)
 #   GEM_JAX_PYTHON=.venv/bin/python bash scripts/gpu_bench.sh --cpu-smoke   # rehearsal on CPU
 #
 # Budget: ~8 min of GPU time (each stage has its own `timeout`; a stage that
@@ -12,6 +13,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 # 0.03 (bf16) / 0.06 (fp8) (bf16 keeps ~3 significant digits; the loss is ~0.3-0.7).
 # --cpu-smoke (or GEM_JAX_GPU_BENCH_SMOKE=1): same stages, shrunken sizes, CPU only.
 set -u
+# Packages the GPU image lacks (ml_collections, tensorboardX), carried as wheels in .whl/:
+# the machine has no network.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
 PY=${GEM_JAX_PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_bench}
 mkdir -p "$OUT"
