@@ -74,6 +74,8 @@ def main(argv=None):
   from gem_jax.bench import runner  # pylint: disable=import-outside-toplevel
 
   n = args.devices or (1 if jax.default_backend() == "cpu" else jax.device_count())
+  if args.matmul_ceiling and n != 1:
+    raise SystemExit(f"--matmul-ceiling times one device's dots: use --devices 1, not {n}")
   name = os.path.basename(args.config)[:-3] if args.config.endswith(".py") else args.config
   opts = runner.BenchOptions(steps=args.steps, warmup=args.warmup, pool=args.pool,
                              cache_dir=args.cache_dir, warm_compile=not args.no_warm_compile,

@@ -54,6 +54,14 @@ def test_benchmark_json_fields_are_sane(bench_rows):
   assert len(r["matmul_top"]) == min(10, r["matmul_shapes"]) and "dense MFU ceiling" in table
 
 
+def test_matmul_ceiling_refuses_a_mesh():
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--config", "dlrm_peer",
+         "--devices", "2", "--matmul-ceiling", "--no-hugepages"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+  assert p.returncode != 0 and "use --devices 1, not 2" in p.stderr
+
+
 # ------------------------------------------------------------------- the peer --
 
 def test_peer_command_matches_the_config():

@@ -191,11 +191,11 @@ def dense_step_fn(s: loop.Setup):
 def _matmul_ceiling(s, state, batch, step_flops_per_device, peak) -> dict[str, Any]:
   """MFU ceiling of the dense part: its jaxpr's dots, each timed alone (per device).
 
-  On a mesh the traced dots are global shapes; the ceiling is then the one of a
-  single device running the whole batch, so it is only reported for one device.
+  On a mesh the traced dots are global shapes (the ceiling of one device running the
+  whole batch), so it is only defined for one device.
   """
   if s.mesh.size != 1:
-    return {}
+    raise ValueError(f"matmul ceiling: one device only, the mesh has {s.mesh.size}")
   emb = emb_lib.lookup(s.plan, state.emb, batch["ids"], batch.get("weights"))
   jaxpr = jax.make_jaxpr(dense_step_fn(s))(state.params, state.opt_state, state.model_state,
                                            emb, batch)
