@@ -8,6 +8,14 @@ bag (sum pooling), Zipf(1.1) raw ids hashed into range, row-wise Adagrad, on an
 backward to the rows + apply_sparse_updates, jitted once with the state donated.
 Sizes are timed in interleaved rounds. Prints one line per size (JSON with --json).
 
+  python scripts/bench_embedding.py --rows 2000000 --tables 2 --mesh 1 1 \
+      --sharding table_wise --freeze 1 --freeze-by drop select
+
+freezes the first table (knowledge transfer's `freeze_shared`) and times the two
+ways side by side: `drop` (the trainer's: `apply_sparse_updates(..., frozen=)`
+drops the frozen rows' updates) and `select` (update everything, then select the
+frozen rows back over the whole buffer: `transfer.student.keep_frozen_rows`).
+
 Host memory: the script re-executes itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 (glibc >= 2.35) so that large buffers get transparent huge pages (on machines whose
 THP mode is 'madvise'); random row accesses into a multi-GB table then miss the
@@ -42,9 +50,10 @@ from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig
                                plan_embeddings, pool_rows, prepare_ids)
 from gem_jax.embedding.plan import DEDUP_MIN_BYTES  # noqa: E402
 from gem_jax.parallel.mesh import make_mesh  # noqa: E402
+from gem_jax.transfer.student import frozen_row_ranges, keep_frozen_rows  # noqa: E402
 
 
-def make_step(plan):
+def make_step(plan, frozen=None, freeze_by="drop"):
   def loss_fn(rows, ctx):
     emb = pool_rows(plan, rows, ctx)
     return sum(jnp.sum(e * e) for e in emb.values()) / plan.batch_size
@@ -52,11 +61,13 @@ def make_step(plan):
   def step(state, ids):
     rows, ctx = gather_rows(plan, state, ids)
     loss, g = jax.value_and_grad(loss_fn)(rows, ctx)
-    return apply_sparse_updates(plan, state, ctx, g), loss
+    if frozen and freeze_by == "select":
+      return keep_frozen_rows(apply_sparse_updates(plan, state, ctx, g), state, frozen), loss
+    return apply_sparse_updates(plan, state, ctx, g, frozen=frozen), loss
   return jax.jit(step, donate_argnums=0)
 
 
-def setup(rows: int, args) -> dict:
+def setup(rows: int, args, freeze_by: str = "drop") -> dict:
   """Plan, state, id batches and the compiled step of one size."""
   n_tables = args.tables
   tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding)
@@ -74,7 +85,8 @@ def setup(rows: int, args) -> dict:
   for _ in range(4):
     raw = {f.name: rng.zipf(1.1, (args.batch, args.bag)).astype(np.int64) for f in feats}
     batches.append(jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()))
-  step = make_step(plan)
+  frozen = frozen_row_ranges(plan, [t.name for t in tables[:args.freeze]])
+  step = make_step(plan, frozen, freeze_by)
   t0 = time.perf_counter()
   state, loss = step(state, batches[0])
   jax.block_until_ready(loss)
@@ -82,7 +94,8 @@ def setup(rows: int, args) -> dict:
   for i in range(args.warmup):
     state, loss = step(state, batches[i % 4])
   jax.block_until_ready(state)
-  return {"rows": rows, "plan": plan, "state": state, "batches": batches, "step": step,
+  return {"rows": rows, "freeze_by": freeze_by, "plan": plan, "state": state,
+          "batches": batches, "step": step,
           "loss": loss, "times": [], "init_s": init_s, "compile_s": compile_s,
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -98,6 +111,7 @@ def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
       "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": args.batch,
+      "frozen_tables": args.freeze, "freeze_by": run["freeze_by"] if args.freeze else None,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
       "sharding": sorted(set(plan.sharding.values())),
       "dedup": sorted({u.dedup for u in plan.units.values()}),
@@ -132,13 +146,18 @@ def main(argv=None):
                  help="owners deduplicate ids before gathering by the planner's size rule "
                       "(auto, the trainer's default: blocks of >= 4 GiB per device, so no "
                       "size here), at every size (always), or never")
+  p.add_argument("--freeze", type=int, default=0, metavar="K",
+                 help="freeze the first K tables (their rows and slots stay bit-identical)")
+  p.add_argument("--freeze-by", nargs="+", default=["drop"], choices=["drop", "select"],
+                 help="how frozen rows are kept (see module doc); several: side by side")
   p.add_argument("--no-hugepages", action="store_true",
                  help="do not ask glibc for transparent huge pages (see module doc)")
   args = p.parse_args(argv)
   # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
   # then timed in interleaved rounds, so that load from other processes drifts
   # over all sizes alike and their ratio stays meaningful.
-  runs = [setup(rows, args) for rows in args.rows]
+  modes = args.freeze_by if args.freeze else ["drop"]
+  runs = [setup(rows, args, mode) for rows in args.rows for mode in modes]
   for i in range(args.steps):
     for run in runs:
       timed_step(run, i)
@@ -150,11 +169,16 @@ def main(argv=None):
     if args.json:
       print(json.dumps(r), flush=True)
     else:
-      print(f"rows {rows:>11,d}: step median {r['step_ms_median']:.1f} ms (min "
+      how = f" [freeze {args.freeze} by {r['freeze_by']}]" if args.freeze else ""
+      print(f"rows {rows:>11,d}{how}: step median {r['step_ms_median']:.1f} ms (min "
             f"{r['step_ms_min']:.1f}, max {r['step_ms_max']:.1f}), exchange "
             f"{r['exchange_bytes_per_step']:,d} B/step, peak RSS {r['peak_rss_mb']:.0f} MB",
             flush=True)
-  if len(results) > 1 and not args.json:
+  if len(modes) > 1 and not args.json:
+    for a, b in zip(results[::len(modes)], results[1::len(modes)]):
+      print(f"rows {a['rows']:,d}: {b['freeze_by']} / {a['freeze_by']} median "
+            f"{b['step_ms_median'] / a['step_ms_median']:.2f}")
+  elif len(results) > 1 and not args.json:
     print(f"ratio largest/smallest median: "
           f"{results[-1]['step_ms_median'] / results[0]['step_ms_median']:.2f}")
   return results

@@ -62,6 +62,20 @@ def test_matmul_ceiling_refuses_a_mesh():
   assert p.returncode != 0 and "use --devices 1, not 2" in p.stderr
 
 
+def test_bench_embedding_freeze_modes_agree():
+  """--freeze-by drop select: the two ways of keeping frozen rows train the same tables
+  (same losses after the same steps), side by side in one run."""
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_embedding.py"), "--rows", "4000",
+         "--tables", "2", "--mesh", "1", "2", "--batch", "64", "--steps", "3", "--warmup", "1",
+         "--freeze", "1", "--freeze-by", "drop", "select", "--json", "--no-hugepages"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert p.returncode == 0, p.stderr[-3000:]
+  drop, select = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+  assert (drop["freeze_by"], select["freeze_by"]) == ("drop", "select")
+  assert drop["frozen_tables"] == 1 and drop["loss"] == select["loss"] and drop["loss"] > 0
+
+
 # ------------------------------------------------------------------- the peer --
 
 def test_peer_command_matches_the_config():

@@ -4,6 +4,7 @@ Matrix: meshes 1x1 1x2 1x4 1x8 2x4 4x2 x sharding types (every plan holds all
 four) x id distributions (each a different batch through the same compiled
 function). References are plain numpy / single-device jnp written here.
 """
+import functools
 import warnings
 
 import jax
@@ -341,3 +342,41 @@ def test_disabled_update_changes_nothing(kind):
   for t in before:
     for k in before[t]:
       np.testing.assert_array_equal(np.asarray(after[t][k]), np.asarray(before[t][k]), f"{t}/{k}")
+
+
+@pytest.mark.parametrize("kind", ["adam", "rowwise_adagrad"])
+def test_frozen_rows_keep_their_bits_without_a_table_select(kind):
+  """apply_sparse_updates(frozen=...) on a 2 x 4 mesh: a table of a packed table-wise
+  buffer (part of it), a row-wise and a replicated buffer (whole) frozen. Equal, bit for
+  bit, to updating everything and then selecting the old rows back, and the frozen
+  tables are unchanged while the others move."""
+  from gem_jax.transfer.student import frozen_row_ranges, keep_frozen_rows
+  opt = SparseOptimizerConfig(kind, lr=0.05)
+  plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(2, 4), B, opt)
+  frozen_tables = ["tw_b", "rw", "rep"]
+  ranges = frozen_row_ranges(plan, frozen_tables)
+  assert plan.buffer_of["tw_b"] in ranges and len(plan.buffers[plan.buffer_of["tw_b"]].tables) > 1
+  canon = _random_canonical(opt, seed=3)
+  ids, wts, targets = _train_batches(plan, 1)[0]
+  ids = jax.device_put(ids, plan.ids_shardings())
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def step(state, frozen):
+    rows, ctx = gather_rows(plan, state, ids)
+    g_rows = jax.grad(lambda r: sum(jnp.sum((e - targets[f]) ** 2)
+                                    for f, e in pool_rows(plan, r, ctx, wts).items()))(rows)
+    new = apply_sparse_updates(plan, state, ctx, g_rows, frozen=ranges if frozen else None)
+    return new if frozen else keep_frozen_rows(new, state, ranges)
+
+  state = import_state(plan, canon)
+  got = step(state, True)
+  want = step(state, False)
+  for b in want:
+    for k in want[b]:
+      np.testing.assert_array_equal(np.asarray(got[b][k]), np.asarray(want[b][k]), f"{b}/{k}")
+  _assert_replicas_identical(got)
+  after = export_state(plan, got)
+  for t in canon:
+    rows = [k for k in canon[t] if np.ndim(canon[t][k])]   # Adam's step counts per buffer
+    same = all(np.array_equal(np.asarray(after[t][k]), canon[t][k]) for k in rows)
+    assert same == (t in frozen_tables), t

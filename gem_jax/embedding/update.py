@@ -86,7 +86,23 @@ def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool, additive: bool):
   return (rows, g) if unique or additive else dedup_rows(rows, g)
 
 
-def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, enabled=None):
+def _drop_frozen(uniq, buf, ranges):
+  """Local rows (-1 = none) -> the same with rows in frozen global ranges set to -1.
+
+  Global row of local row r: shard * local_rows + r where rows are split over
+  'shard' (table-wise, row-wise), r elsewhere (column-wise, replicated).
+  """
+  base = (jax.lax.axis_index("shard") * buf.local_rows
+          if buf.kind in ("table_wise", "row_wise") else 0)
+  glob = uniq + base                                                  # (n,)
+  hit = jnp.zeros(uniq.shape, bool)
+  for a, b in ranges:
+    hit = hit | ((glob >= a) & (glob < b))
+  return jnp.where(hit, -1, uniq)
+
+
+def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, enabled=None,
+                         frozen=None):
   """Applies d loss / d rows to the owning shards, in place.
 
   Args:
@@ -97,18 +113,27 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
     lr: learning rate overriding `plan.optimizer.lr` (may be traced, for schedules).
     enabled: optional bool scalar (traced): False skips the update (e.g. a
       non-finite loss) without a table-sized select.
+    frozen: optional {buffer: ((start, stop), ...)} global buffer rows that keep
+      their weights and per-row slots bit for bit (their updates are dropped, no
+      table-sized select); a buffer frozen whole is returned as is, scalar slots
+      (Adam's step) included.
   Returns:
     The updated state (same structure and shardings).
   """
   opt = plan.optimizer
   lr = jnp.asarray(opt.lr if lr is None else lr, jnp.float32)
   specs = plan.state_specs()
+  frozen = {k: tuple(v) for k, v in (frozen or {}).items() if v}
+  for name in frozen:
+    if name not in plan.buffers:
+      raise KeyError(f"frozen rows for unknown buffer {name!r}; buffers: {sorted(plan.buffers)}")
 
   def body(state, row_idx, grads, lr, enabled):
     new = {}
     for name, buf in plan.buffers.items():
       units = [u for u in plan.units.values() if u.buffer == name]
-      if not units:
+      ranges = frozen.get(name, ())
+      if not units or any(a <= 0 and b >= buf.rows for a, b in ranges):
         new[name] = state[name]
         continue
       width = buf.local_dim
@@ -118,6 +143,8 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
       additive = opt.kind == "sgd" and state[name]["weight"].dtype == jnp.float32
       uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1 and units[0].dedup,
                          additive=additive)
+      if ranges:
+        uniq = _drop_frozen(uniq, buf, ranges)
       g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
       if buf.kind == "column_wise" and plan.num_shards > 1:
         g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum

@@ -33,7 +33,7 @@ from gem_jax.train import metrics as metrics_lib
 from gem_jax.train.state import TrainState
 from gem_jax.train.step import global_norm, model_inputs
 from gem_jax.transfer import losses
-from gem_jax.transfer.student import TransferOptions, apply_mask, keep_frozen_rows
+from gem_jax.transfer.student import TransferOptions, apply_mask
 
 METRICS = ("train_loss", "loss_hard", "loss_soft", "loss_adapt", "grad_norm", "lr")
 
@@ -104,8 +104,7 @@ def student_train_step(state: TrainState, batch: dict, *, cfg: StudentStepConfig
   else:
     (g_rows,) = pool_vjp(g_emb)
     new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows,
-                                           lr=cfg.sparse_lr(state.step))
-    new_emb = keep_frozen_rows(new_emb, state.emb, cfg.frozen_rows)
+                                           lr=cfg.sparse_lr(state.step), frozen=cfg.frozen_rows)
   metrics = {"train_loss": loss, "loss_hard": parts["hard"], "loss_soft": parts["soft"],
              "loss_adapt": parts["adapt"], "grad_norm": global_norm(g_params),
              "lr": jnp.asarray(cfg.schedule(state.step), jnp.float32)}

@@ -152,13 +152,18 @@ def frozen_row_ranges(plan, tables: Sequence[str]) -> dict[str, tuple[tuple[int,
 
 
 def keep_frozen_rows(new_emb: dict, old_emb: dict, ranges: Mapping[str, Sequence]) -> dict:
-  """new_emb with the frozen rows (weights and per-row slots) taken from old_emb, bitwise."""
+  """new_emb with the frozen rows (weights and per-row slots) taken from old_emb, bitwise.
+
+  The reference (and benchmark baseline) for `apply_sparse_updates(..., frozen=ranges)`,
+  which the transfer step uses: this one selects over every row of the buffers, every
+  step. Scalar slots (Adam's step) are kept only where the whole buffer is frozen.
+  """
   out = dict(new_emb)
   for name, rr in ranges.items():
     leaves = {}
     for leaf, new in new_emb[name].items():
       old = old_emb[name][leaf]
-      if new.ndim == 0:  # e.g. Adam's step counter: frozen only if the whole buffer is
+      if new.ndim == 0:
         whole = any(a == 0 and b >= new_emb[name]["weight"].shape[0] for a, b in rr)
         leaves[leaf] = old if whole else new
         continue
