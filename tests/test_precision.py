@@ -194,11 +194,14 @@ def test_lowp_einsum_matches_autodiff(spec, a_shape, b_shape):
     _assert_bf16_grads_as_good_as_autodiff(ours, plain, a, b, ref)
 
 
-@pytest.mark.parametrize("spec", ["ij,jk", "ij,jk->k", "ij,jk,kl->il"])
-def test_lowp_einsum_rejects_specs_it_cannot_transpose(spec):
+@pytest.mark.parametrize("spec,a_shape,b_shape", [
+    ("ij,jk", (2, 3), (3, 4)), ("ij,jk->k", (2, 3), (3, 4)), ("ij,jk,kl->il", (2, 3), (3, 4)),
+    ("...ij,...jk->...ik", (5, 2, 3), (1, 3, 4)),    # '...' broadcasts
+])
+def test_lowp_einsum_rejects_specs_it_cannot_transpose(spec, a_shape, b_shape):
   from gem_jax.layers import dense
   with dense.lowp_backward(True), pytest.raises(ValueError, match="einsum spec"):
-    dense.lowp_einsum(spec, jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.bfloat16)
+    dense.lowp_einsum(spec, jnp.ones(a_shape), jnp.ones(b_shape), jnp.bfloat16)
 
 
 def test_bf16_training_with_lowp_backward_tracks_fp32(data):

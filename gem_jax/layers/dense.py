@@ -101,8 +101,20 @@ def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Arra
   """
   if not use_lowp_backward(dtype):
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-  _einsum_operands(spec)
+  sa, sb, _ = _einsum_operands(spec)
+  ea, eb = _ellipsis_shape(sa, a), _ellipsis_shape(sb, b)
+  if ea is not None and eb is not None and ea != eb:
+    raise ValueError(f"einsum spec {spec!r}: '...' broadcasts {a.shape} against {b.shape}; "
+                     "the backward needs equal '...' shapes")
   return _lowp_einsum(spec, a, b, jnp.dtype(dtype))
+
+
+def _ellipsis_shape(sub: str, x: jax.Array) -> tuple[int, ...] | None:
+  """The dims `x` gives to '...' in its subscripts `sub` (None: no '...')."""
+  if "..." not in sub:
+    return None
+  i = sub.index("...")
+  return tuple(x.shape[i:i + x.ndim - (len(sub) - 3)])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
