@@ -86,7 +86,7 @@ class SparseProjector(nnx.Module):
   def __call__(self, sparse: Mapping[str, jax.Array]) -> jax.Array:
     out = {}
     for dim, names in self.groups:
-      w = self.proj[str(dim)][...].astype(self.dtype) if dim != self.d else None  # (G, D_f, d)
+      w = self.proj[str(dim)][...] if dim != self.d else None  # (G, D_f, d), cast in lowp_einsum
       for i, n in enumerate(names):
         x = sparse[n].astype(self.dtype)  # (B, D_f)
         if w is not None:

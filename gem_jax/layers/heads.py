@@ -63,7 +63,7 @@ class GroupedMLP(nnx.Module):
     x = x.astype(self.dtype)
     n = len(self.kernels)
     for j, (w, b) in enumerate(zip(self.kernels, self.biases)):
-      w = w[...].astype(self.dtype)  # (G, K, N)
+      w = w[...]  # (G, K, N) fp32: lowp_einsum casts it, its gradient stays fp32
       g_, k_, n_ = w.shape
       if x.ndim == 2:  # shared input: one (B, K) x (K, G N) matmul
         wk = jnp.transpose(w, (1, 0, 2)).reshape(k_, g_ * n_)

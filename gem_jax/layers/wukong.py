@@ -47,9 +47,9 @@ class FM(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
-    y = self.y[...].astype(self.dtype)
+    y = self.y[...]  # fp32: lowp_einsum casts it and returns its gradient in fp32
     xty = lowp_einsum("bnd,nk->bdk", x, y, self.dtype)  # (B, d, k)
-    f = lowp_einsum("bnd,bdk->bnk", x, xty.astype(self.dtype), self.dtype)  # (B, n, k)
+    f = lowp_einsum("bnd,bdk->bnk", x, xty, self.dtype)  # (B, n, k)
     return f.astype(self.dtype)
 
 
