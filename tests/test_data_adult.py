@@ -18,8 +18,8 @@ def read(path):
 
 
 @pytest.fixture(scope="module", params=["train", "test"])
-def split(request, shared_data_dir):
-  path = os.path.join(shared_data_dir, f"uci_adult_{request.param}.csv")
+def split(request, real_data_dir):
+  path = os.path.join(real_data_dir, f"uci_adult_{request.param}.csv")
   return path, list(AdultSource(path).batches(4096, repeat=False))
 
 
@@ -49,8 +49,8 @@ def test_parsed_values(split):
   assert len(np.unique(b["ids"]["sex"][:, 0])) == len(sexes) == 2
 
 
-def test_resume(shared_data_dir):
-  src = AdultSource(os.path.join(shared_data_dir, "uci_adult_train.csv"), shuffle_buffer=5000)
+def test_resume(real_data_dir):
+  src = AdultSource(os.path.join(real_data_dir, "uci_adult_train.csv"), shuffle_buffer=5000)
   get = lambda bs: np.concatenate([b["dense"][:, 2] for b in bs])
   ref = get(pipeline.take(src.batches(1000, seed=0), 40))
   it = src.batches(1000, seed=0)

@@ -10,8 +10,8 @@ from gem_jax.data.spec import validate_batch
 
 
 @pytest.fixture(scope="module")
-def data(shared_data_dir):
-  path = os.path.join(shared_data_dir, "alimama_display_dmr_500.csv")
+def data(real_data_dir):
+  path = os.path.join(real_data_dir, "alimama_display_dmr_500.csv")
   with open(path, newline="") as f:
     rows = [[float(x) if "." in x else int(x) for x in r] for r in csv.reader(f)]
   return rows, list(AlimamaSource(path).batches(128, repeat=False))

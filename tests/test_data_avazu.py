@@ -19,8 +19,8 @@ def read_csv(path):
 
 
 @pytest.fixture(scope="module")
-def paths(shared_data_dir):
-  return {s: os.path.join(shared_data_dir, f"avazu_9k_{s}.csv") for s in ("train", "dev")}
+def paths(real_data_dir):
+  return {s: os.path.join(real_data_dir, f"avazu_9k_{s}.csv") for s in ("train", "dev")}
 
 
 @pytest.fixture(scope="module")

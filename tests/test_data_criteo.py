@@ -14,13 +14,13 @@ from gem_jax.data.spec import validate_batch
 
 
 @pytest.fixture(scope="module")
-def train_path(shared_data_dir):
-  return os.path.join(shared_data_dir, "criteo_kaggle_8k_train.tsv")
+def train_path(real_data_dir):
+  return os.path.join(real_data_dir, "criteo_kaggle_8k_train.tsv")
 
 
 @pytest.fixture(scope="module")
-def dev_path(shared_data_dir):
-  return os.path.join(shared_data_dir, "criteo_kaggle_8k_dev.tsv")
+def dev_path(real_data_dir):
+  return os.path.join(real_data_dir, "criteo_kaggle_8k_dev.tsv")
 
 
 def read_tsv(path):

@@ -90,10 +90,10 @@ def no_hang(fn, seconds=60):
 
 
 @pytest.fixture(params=sorted(READERS))
-def damaged(request, shared_data_dir, tmp_path):
+def damaged(request, real_data_dir, tmp_path):
   """(factory, damaged path, clean path, damaged 1-based line numbers)."""
   factory, name, sep, header = READERS[request.param]
-  with open(os.path.join(shared_data_dir, name), "rb") as f:
+  with open(os.path.join(real_data_dir, name), "rb") as f:
     lines = [f.readline().rstrip(b"\r\n") for _ in range(N_ROWS + header)]
   rng = np.random.default_rng(0)
   bad_idx = sorted(rng.choice(np.arange(header + 1, len(lines)), 2 * len(KINDS), replace=False))
@@ -148,8 +148,8 @@ def test_missing_empty_and_header_only_files(name, tmp_path):
     no_hang(lambda: next(factory(str(tmp_path / "blank.csv")).batches(8, repeat=True)))
 
 
-def test_truncated_gzip_is_an_error(shared_data_dir, tmp_path):
-  with open(os.path.join(shared_data_dir, "criteo_kaggle_8k_dev.tsv"), "rb") as f:
+def test_truncated_gzip_is_an_error(real_data_dir, tmp_path):
+  with open(os.path.join(real_data_dir, "criteo_kaggle_8k_dev.tsv"), "rb") as f:
     data = gzip.compress(f.read())
   p = tmp_path / "cut.tsv.gz"
   p.write_bytes(data[:len(data) // 2])

@@ -16,9 +16,9 @@ L = 20
 
 
 @pytest.fixture(scope="module")
-def files(shared_data_dir):
-  return (os.path.join(shared_data_dir, "movielens_latest_small_2016_ratings.csv"),
-          os.path.join(shared_data_dir, "movielens_latest_small_2016_movies.csv"))
+def files(real_data_dir):
+  return (os.path.join(real_data_dir, "movielens_latest_small_2016_ratings.csv"),
+          os.path.join(real_data_dir, "movielens_latest_small_2016_movies.csv"))
 
 
 @pytest.fixture(scope="module")

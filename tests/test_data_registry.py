@@ -20,13 +20,13 @@ def load_config(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_config_builds_sources(name, shared_data_dir):
+def test_config_builds_sources(name, real_data_dir):
   c = load_config(name)
   assert c.data.kind == name and c.data.bad_row_limit == 0.01
   for k in ("train", "eval"):                       # paths overridable, here to $GEM_JAX_DATA
-    c.data[k] = os.path.join(shared_data_dir, os.path.basename(c.data[k]))
+    c.data[k] = os.path.join(real_data_dir, os.path.basename(c.data[k]))
   if name == "movielens":
-    c.data.movies = os.path.join(shared_data_dir, os.path.basename(c.data.movies))
+    c.data.movies = os.path.join(real_data_dir, os.path.basename(c.data.movies))
   train, ev = registry.make_sources(c.data)
   assert train.shuffle_buffer == c.data.shuffle_buffer and ev.shuffle_buffer == 0
   b = next(train.batches(c.data.batch_size, seed=c.seed))

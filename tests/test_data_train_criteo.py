@@ -16,12 +16,12 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def run_train(tmp_path, shared_data_dir, model):
+def run_train(tmp_path, real_data_dir, model):
   data = tmp_path / "data"
   data.mkdir()
-  with open(os.path.join(shared_data_dir, "criteo_kaggle_8k_train.tsv"), "rb") as f:
+  with open(os.path.join(real_data_dir, "criteo_kaggle_8k_train.tsv"), "rb") as f:
     (data / "day-0.tsv.gz").write_bytes(gzip.compress(f.read()))
-  with open(os.path.join(shared_data_dir, "criteo_kaggle_8k_dev.tsv"), "rb") as f:
+  with open(os.path.join(real_data_dir, "criteo_kaggle_8k_dev.tsv"), "rb") as f:
     (data / "eval.tsv").write_bytes(b"".join(f.readlines()[:300]))
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
          "--config", os.path.join(ROOT, "configs", "criteo.py"),
@@ -39,12 +39,12 @@ def run_train(tmp_path, shared_data_dir, model):
 
 
 @pytest.mark.slow
-def test_train_script_on_other_criteo_files_dlrm(tmp_path, shared_data_dir):
-  run_train(tmp_path, shared_data_dir, "dlrm")
+def test_train_script_on_other_criteo_files_dlrm(tmp_path, real_data_dir):
+  run_train(tmp_path, real_data_dir, "dlrm")
 
 
 @pytest.mark.slow
-def test_train_script_on_other_criteo_files_gem(tmp_path, shared_data_dir):
+def test_train_script_on_other_criteo_files_gem(tmp_path, real_data_dir):
   if importlib.util.find_spec("gem_jax.models.gem") is None:
     pytest.fail("gem_jax.models.gem is not there yet")
-  run_train(tmp_path, shared_data_dir, "gem")
+  run_train(tmp_path, real_data_dir, "gem")

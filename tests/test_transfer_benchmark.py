@@ -20,11 +20,11 @@ def _run(args, env_extra=None, timeout=900):
 
 
 @pytest.mark.slow
-def test_transfer_benchmark_tiny(tmp_path, shared_data_dir):
+def test_transfer_benchmark_tiny(tmp_path, real_data_dir):
   rows = _run(["scripts/transfer_benchmark.py", "--workdir", str(tmp_path), "--seeds", "0",
                "--teacher_steps", "20", "--student_steps", "10", "--student_train", "512",
                "--student_eval", "1024", "--avazu_teacher_steps", "10",
-               "--avazu_student_steps", "10", "--data_dir", shared_data_dir])
+               "--avazu_student_steps", "10", "--data_dir", real_data_dir])
   variants = {(r["dataset"], r["variant"]): r for r in rows}
   for ds in ("planted", "avazu"):
     assert 0.0 < variants[(ds, "teacher")]["teacher_auc_on_student_eval"] < 1.0
