@@ -2,7 +2,8 @@
 
   python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec
 
-Everything else as configs/dlrm_peer.py.
+Everything else as configs/dlrm_peer.py (data gem_jax.bench.peer_data, the peer
+benchmarks/torchrec/bench.py, its venv `bash benchmarks/torchrec/setup.sh`).
 """
 import os
 import sys

@@ -1,4 +1,4 @@
-"""dlrm_peer: exactly the TorchRec peer's model and data (../shared/peers/torchrec_bench.py).
+"""dlrm_peer: exactly the TorchRec peer's model and data (benchmarks/torchrec/bench.py).
 
   python scripts/benchmark.py --config dlrm_peer --devices 1 --peer torchrec
   python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec   # DCNv2 variant
@@ -9,12 +9,14 @@ table, sum pooling, U(-1/sqrt(rows), 1/sqrt(rows)) init), bottom MLP
 13-512-256-64 (ReLU after every layer), dot interaction (strict upper triangle),
 top MLP 100-512-256-1, mean BCE. Optimizer: plain SGD lr 0.1 on tables (sparse,
 duplicates summed) and dense parameters, no clipping, no schedule.
-Data: the peer's own generator (Zipf 1.05 ids, permuted ranks, lognormal dense,
-Bernoulli(0.25) labels), seeds as the peer's `--seed 0`, 32 batches cycled.
-Batch 4096, one CPU device (mesh 1 x 1). Precision: gem_jax's mixed policy, bf16
-matmuls with fp32 accumulation, fp32 master weights, fp32 tables and optimizer (the
-peer computes in fp32; `--set model.dtype="'float32'"` for the fp32-vs-fp32 figure;
-docs/PERFORMANCE.md has both and the loss of each).
+Data: gem_jax.bench.peer_data, which the peer imports too (Zipf 1.05 ids, permuted
+ranks, lognormal dense, Bernoulli(0.25) labels), seeds as the peer's `--seed 0`, 32
+batches cycled. Batch 4096, one CPU device (mesh 1 x 1). Precision: gem_jax's mixed
+policy, bf16 matmuls with fp32 accumulation, fp32 master weights, fp32 tables and
+optimizer; `--peer torchrec` runs the peer the same way (`--autocast bf16`: its dense
+part under torch.autocast, fp32 tables, optimizer and loss). `--set
+model.dtype="'float32'"` makes both sides fp32. The peer's venv: `bash
+benchmarks/torchrec/setup.sh`. docs/PERFORMANCE.md has the figures and losses.
 `--config.model.name=dcnv2` (or configs/dcn_peer.py) selects the DCNv2
 interaction (3 low-rank cross layers, rank 512), as the peer's `--interaction dcn`.
 """

@@ -8,8 +8,11 @@
 
 Prints a readable table (stderr) and, with --json, one JSON line per run on
 stdout (also appended to --out). With --peer torchrec, gem_jax and the peer
-alternate (never concurrently) --repeat times; the summary line holds the
-medians and the ratio gem_jax / TorchRec of examples/s, with the load average
+(benchmarks/torchrec/bench.py in the venv of `bash benchmarks/torchrec/setup.sh`)
+alternate (never concurrently) --repeat times, on the same arrays and in the same
+precision (gem_jax bf16 compute -> the peer's `--autocast bf16`, fp32 -> off;
+--peer-autocast to choose); the summary line holds the medians and the ratio
+gem_jax / TorchRec of examples/s, the precision of each side, and the load average
 of every run. Fields: see gem_jax/bench/runner.py. Host memory uses transparent
 huge pages for both sides unless --no-hugepages (gem_jax/hostmem.py).
 """
@@ -42,7 +45,14 @@ def parse_args(argv=None):
                       "(one device; gem_jax/bench/matmul_ceiling.py)")
   p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
   p.add_argument("--peer-threads", type=int, default=2)
-  p.add_argument("--peer-python", default=None, help="TorchRec venv python")
+  p.add_argument("--peer-python", default=None,
+                 help="TorchRec venv python (default $GEM_JAX_TORCHREC_PYTHON, else "
+                      "~/.cache/gem_jax/torchrec-venv/bin/python)")
+  p.add_argument("--peer-script", default=None,
+                 help="another peer script taking the same flags (default "
+                      "benchmarks/torchrec/bench.py; e.g. ../shared/peers/torchrec_bench.py)")
+  p.add_argument("--peer-autocast", choices=["auto", "bf16", "off"], default="auto",
+                 help="peer precision; auto: gem_jax's (bf16/fp8 compute -> bf16, fp32 -> off)")
   p.add_argument("--no-hugepages", action="store_true",
                  help="keep 4 KiB host pages (default: the script re-executes itself with "
                       "GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which the peer inherits; "
@@ -59,6 +69,17 @@ def _overrides(items):
     except (ValueError, SyntaxError):
       out[key.strip()] = raw
   return out
+
+
+def _precisions(config, autocast: str) -> dict:
+  """Both sides' precision in words; like for like when the dense compute dtypes agree."""
+  m = config.model
+  gem = "fp8" if m.get("fp8", False) else (
+      "bf16" if str(m.dtype) in ("bfloat16", "bf16") else str(m.dtype).replace("float", "fp"))
+  return {"gem_jax": f"{gem} compute (fp32 weights, tables, optimizer)",
+          "torchrec": ("bf16 autocast (fp32 tables, optimizer, loss)" if autocast == "bf16"
+                       else "fp32"),
+          "like_for_like": (gem == "bf16") == (autocast == "bf16") and gem in ("bf16", "fp32")}
 
 
 def main(argv=None):
@@ -101,8 +122,15 @@ def main(argv=None):
     if res.get("matmul_top"):
       print(report_table.format_matmuls(res["matmul_top"]), file=sys.stderr, flush=True)
     if args.peer:
+      autocast = (peer_lib.peer_autocast(config) if args.peer_autocast == "auto"
+                  else args.peer_autocast)
+      precision = _precisions(config, autocast)
       cmd = peer_lib.peer_command_from_config(config, steps=max(args.steps, 20), warmup=5,
-                                              threads=args.peer_threads, python=args.peer_python)
+                                              threads=args.peer_threads, python=args.peer_python,
+                                              script=args.peer_script, autocast=autocast)
+      print(f"precision: gem_jax {precision['gem_jax']}, TorchRec {precision['torchrec']}"
+            f" ({'like for like' if precision['like_for_like'] else 'NOT like for like'})",
+            file=sys.stderr, flush=True)
       print("peer: " + " ".join(cmd), file=sys.stderr, flush=True)
       out = peer_lib.run_peer(cmd)
       out.update(name=name, repeat=r, loadavg_after=runner.timing.loadavg())
@@ -110,8 +138,12 @@ def main(argv=None):
       print(report_table.format_peer(out), file=sys.stderr, flush=True)
   if args.peer:
     summary = report_table.side_by_side(rows)
+    summary["precision"] = precision
     emit(summary)
-    print(report_table.format_summary(summary), file=sys.stderr, flush=True)
+    print(report_table.format_summary(summary) + "; "
+          + ("like for like" if precision["like_for_like"] else "NOT like for like")
+          + f": gem_jax {precision['gem_jax']} vs TorchRec {precision['torchrec']}",
+          file=sys.stderr, flush=True)
   return rows
 
 

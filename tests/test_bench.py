@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from gem_jax.bench import network, peer, report_table, timing
+from gem_jax.bench import network, peer, peer_data, report_table, timing
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -78,28 +78,150 @@ def test_bench_embedding_freeze_modes_agree():
 
 # ------------------------------------------------------------------- the peer --
 
+def test_peer_data_is_deterministic_and_seeded():
+  a = peer_data.PeerData(num_tables=3, rows=500, pooling=2, seed=4).pool(16, 2)
+  b = peer_data.PeerData(num_tables=3, rows=500, pooling=2, seed=4).pool(16, 2)
+  c = peer_data.PeerData(num_tables=3, rows=500, pooling=2, seed=5).pool(16, 2)
+  for x, y in zip(a, b):
+    for u, v in zip(x, y):
+      np.testing.assert_array_equal(u, v)
+  assert not np.array_equal(a[0].ids, c[0].ids)
+  assert not np.array_equal(a[0].ids, a[1].ids)  # the pool's batches are distinct
+  d, ids, y = a[0]
+  assert (d.shape, d.dtype) == ((16, 13), np.float32)
+  assert (ids.shape, ids.dtype) == ((3, 16, 2), np.int64)
+  assert (y.shape, y.dtype) == ((16,), np.float32)
+
+
+def test_peer_data_statistics():
+  """Label rate 0.25, ids in range, P(rank k) ~ (k+1)^-alpha, ranks permuted, dense log1p counts."""
+  rows, alpha, n = 1000, 1.05, 200_000
+  dense, ids, labels = peer_data.PeerData(num_tables=2, rows=rows, alpha=alpha, seed=0,
+                                          permute=False).pool(n, 1)[0]
+  assert abs(labels.mean() - 0.25) < 0.005 and set(np.unique(labels)) == {0.0, 1.0}
+  assert ids.min() >= 0 and ids.max() < rows
+  freq = np.bincount(ids[0, :, 0], minlength=rows) / n                # (rows,)
+  p = np.arange(1, rows + 1) ** -alpha
+  p /= p.sum()
+  np.testing.assert_allclose(freq[:10], p[:10], rtol=0.03)           # the head by hand
+  assert freq[0] / freq[1] == pytest.approx(2 ** alpha, rel=0.03)    # Zipf skew
+  np.testing.assert_allclose(peer_data.ZipfTable(rows, alpha, permute=False).probs(), p,
+                             rtol=1e-9)  # diff of a cumsum
+  # dense = log1p(floor(lognormal(1, 1.5))): non-negative, log1p of integers
+  assert dense.min() >= 0 and np.allclose(np.expm1(dense), np.round(np.expm1(dense)), atol=1e-3)
+  # permuted: the hottest row of each table is perm[0], a different row per table
+  _, pids, _ = peer_data.PeerData(num_tables=2, rows=rows, seed=0).pool(20_000, 1)[0]
+  tables = peer_data.make_tables(2, rows, alpha, seed=0)
+  hot = [np.bincount(pids[t, :, 0], minlength=rows).argmax() for t in range(2)]
+  assert hot == [tables[0].perm[0], tables[1].perm[0]] and hot[0] != hot[1]
+
+
+def test_peer_data_imports_no_jax_or_torch():
+  """bench.py imports it from a plain checkout, in a venv without jax (or gem_jax installed)."""
+  root = os.path.abspath(ROOT)
+  code = (f"import sys; sys.path.insert(0, {root!r}); from gem_jax.bench import peer_data; "
+          "peer_data.PeerData(2, 10).pool(4, 1); "
+          f"assert peer_data.__file__.startswith({root!r}), peer_data.__file__; "
+          "bad = [m for m in ('jax', 'torch', 'flax', 'gem_jax.data') if m in sys.modules]; "
+          "assert not bad, bad")
+  p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                     timeout=120, check=False, cwd="/")
+  assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_peer_data_rejects_bad_sizes():
+  with pytest.raises(ValueError, match="rows >= 1"):
+    peer_data.ZipfTable(0, 1.05, permute=False)
+  with pytest.raises(ValueError, match="batch_size >= 1"):
+    peer_data.PeerData(2, 10).pool(0, 1)
+
+
+def test_peer_source_gives_peer_datas_exact_arrays():
+  src = peer.PeerSource(num_tables=3, rows=500, pool=2, seed=4, pooling=2)
+  got = [next(iter(src.batches(16))), src.pool(16)[1]]
+  want = peer_data.PeerData(num_tables=3, rows=500, pooling=2, seed=4).pool(16, 2)
+  for b, (dense, ids, labels) in zip(got, want):
+    np.testing.assert_array_equal(b["dense"], dense)
+    for i in range(3):
+      np.testing.assert_array_equal(b["ids"][f"f{i}"], ids[i])
+    np.testing.assert_array_equal(b["labels"][:, 0], labels)
+    assert b["label_mask"].shape == (16, 1) and b["label_mask"].min() == 1.0
+  assert src.spec.sparse[0].bag == 2 and src.spec.n_dense == 13
+
+
+SHARED_PEER = os.path.join(ROOT, "..", "shared", "peers", "torchrec_bench.py")
+
+
+@pytest.mark.skipif(not os.path.exists(SHARED_PEER), reason="no ../shared/peers (optional "
+                    "independent cross-check of peer_data)")
+def test_peer_data_matches_the_independent_peer():
+  """Cross-check only: ../shared/peers' generator, written separately, gives the same arrays."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("_shared_torchrec_bench", SHARED_PEER)
+  tb = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tb)
+  rng = np.random.default_rng(8)
+  samplers = tb.make_samplers(3, 700, 1.05, 7)
+  for got in peer_data.PeerData(3, 700, 2, 1.05, 7).pool(32, 2):
+    for a, b in zip(got, tb.synthetic_batch(samplers, 32, 2, rng)):
+      np.testing.assert_array_equal(a, b)
+
+
+def _flags(cmd):
+  return dict(zip(cmd[2::2], cmd[3::2]))
+
+
 def test_peer_command_matches_the_config():
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import dcn_peer  # pylint: disable=import-outside-toplevel
   import dlrm_peer  # pylint: disable=import-outside-toplevel
-  cmd = peer.peer_command_from_config(dlrm_peer.get_config(), steps=20, warmup=5,
-                                      python="/venv/bin/python")
-  assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("torchrec_bench.py")
-  args = dict(zip(cmd[2::2], cmd[3::2]))
-  assert args == {"--interaction": "dot", "--batch-size": "4096", "--steps": "20",
-                  "--warmup": "5", "--num-tables": "8", "--rows": "100000", "--dim": "64",
-                  "--pooling": "1", "--bottom-mlp": "512,256", "--top-mlp": "512,256",
-                  "--optimizer": "sgd", "--lr": "0.1", "--threads": "2", "--seed": "0",
-                  "--batch-pool": "32"}
-  dcn = peer.peer_command_from_config(dcn_peer.get_config(), steps=20, warmup=5, python="p")
-  dargs = dict(zip(dcn[2::2], dcn[3::2]))
+  cfg = dlrm_peer.get_config()
+  cmd = peer.peer_command_from_config(cfg, steps=20, warmup=5, python="/venv/bin/python")
+  assert cmd[0] == "/venv/bin/python"
+  assert cmd[1] == os.path.abspath(os.path.join(ROOT, "benchmarks", "torchrec", "bench.py"))
+  assert os.path.exists(cmd[1])
+  assert _flags(cmd) == {
+      "--interaction": "dot", "--batch-size": "4096", "--steps": "20", "--warmup": "5",
+      "--num-tables": "8", "--rows": "100000", "--dim": "64", "--pooling": "1",
+      "--alpha": "1.05", "--bottom-mlp": "512,256", "--top-mlp": "512,256",
+      "--optimizer": "sgd", "--lr": "0.1", "--threads": "2", "--seed": "0",
+      "--batch-pool": "32", "--autocast": "bf16"}  # dlrm_peer computes in bf16
+  cfg.model.dtype = "float32"
+  assert _flags(peer.peer_command_from_config(cfg, steps=20, warmup=5))["--autocast"] == "off"
+  forced = peer.peer_command_from_config(cfg, steps=20, warmup=5, autocast="bf16",
+                                         script="/x/torchrec_bench.py")
+  assert forced[1] == "/x/torchrec_bench.py" and _flags(forced)["--autocast"] == "bf16"
+  dargs = _flags(peer.peer_command_from_config(dcn_peer.get_config(), steps=20, warmup=5))
   assert dargs["--interaction"] == "dcn" and dargs["--dcn-layers"] == "3"
-  assert dargs["--dcn-rank"] == "512"
+  assert dargs["--dcn-rank"] == "512" and dargs["--autocast"] == "bf16"
+  with pytest.raises(ValueError, match="autocast"):
+    peer.peer_command(autocast="fp16")
+
+
+def test_peer_command_flags_are_the_scripts_flags():
+  """Every flag peer_command emits is one benchmarks/torchrec/bench.py parses (no torch needed)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("_trbench", peer.PEER_SCRIPT)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)  # imports only numpy and peer_data at module level
+  a = bench.parse_args(peer.peer_command(interaction="dcn", autocast="bf16", rows=77)[2:])
+  assert (a.interaction, a.autocast, a.rows, a.dcn_rank, a.batch_pool) == ("dcn", "bf16", 77,
+                                                                          512, 32)
+
+
+def test_peer_python_env_override(monkeypatch):
+  monkeypatch.setenv("GEM_JAX_TORCHREC_PYTHON", "/custom/python")
+  assert peer.peer_command()[0] == "/custom/python"
+  monkeypatch.delenv("GEM_JAX_TORCHREC_PYTHON")
+  assert peer.peer_command()[0] == os.path.expanduser(
+      "~/.cache/gem_jax/torchrec-venv/bin/python")
 
 
 def test_run_peer_without_venv_says_how_to_make_it():
-  with pytest.raises(FileNotFoundError, match="setup_torchrec.sh"):
+  with pytest.raises(FileNotFoundError, match="bash benchmarks/torchrec/setup.sh"):
     peer.run_peer(peer.peer_command(python="/nonexistent/python"))
+  with pytest.raises(FileNotFoundError, match="bash benchmarks/torchrec/setup.sh"):
+    peer.run_peer(peer.peer_command(python=sys.executable, script="/nonexistent/bench.py"))
 
 
 def test_parse_peer_output_takes_the_last_json_line():
@@ -109,19 +231,27 @@ def test_parse_peer_output_takes_the_last_json_line():
     peer.parse_peer_output("no json here")
 
 
-def test_peer_source_gives_the_peers_exact_arrays():
-  tb = peer.peer_module()
-  src = peer.PeerSource(num_tables=3, rows=500, pool=2, seed=4)
-  got = [next(iter(src.batches(16))) for _ in range(1)] + [src.pool(16)[1]]
-  samplers = tb.make_samplers(3, 500, 1.05, 4)
-  rng = np.random.default_rng(5)
-  for b in got:
-    dense, ids, labels = tb.synthetic_batch(samplers, 16, 1, rng)
-    np.testing.assert_array_equal(b["dense"], dense)
-    for i in range(3):
-      np.testing.assert_array_equal(b["ids"][f"f{i}"], ids[i])
-    np.testing.assert_array_equal(b["labels"][:, 0], labels)
-    assert b["label_mask"].shape == (16, 1) and b["label_mask"].min() == 1.0
+TORCHREC_PY = peer.peer_python()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(TORCHREC_PY), reason=f"no TorchRec venv at {TORCHREC_PY} "
+                    "(bash benchmarks/torchrec/setup.sh, or set GEM_JAX_TORCHREC_PYTHON)")
+@pytest.mark.parametrize("interaction,autocast", [("dot", "off"), ("dcn", "bf16")])
+def test_torchrec_bench_runs(interaction, autocast):
+  """benchmarks/torchrec/bench.py for a few steps: its JSON, and the loss falls."""
+  cmd = peer.peer_command(interaction=interaction, autocast=autocast, batch_size=256, steps=6,
+                          warmup=2, num_tables=3, rows=2000, dim=16, bottom_mlp=(32,),
+                          top_mlp=(32,), dcn_layers=2, dcn_rank=8, pool=4)
+  r = peer.run_peer(cmd, timeout_s=600)
+  assert r["framework"] == "torchrec" and r["interaction"] == interaction
+  assert r["autocast"] == autocast and r["emb_impl"] in ("fused", "ebc")
+  assert r["torch"].startswith("2.13.0") and r["torchrec"] == "1.8.0" and r["threads"] == 2
+  assert r["steps"] == 6 and r["batch_size"] == 256 and len(r["losses"]) == 8
+  assert r["examples_per_s"] == pytest.approx(256 / (r["step_ms_median"] / 1e3), rel=1e-3)
+  assert r["own_busy_cores"] > 0 and r["other_busy_cores"] is not None
+  assert np.all(np.isfinite(r["losses"]))
+  assert min(r["losses"][-4:]) < r["loss_first"]  # 8 steps on 4 cycled batches: it learns
 
 
 # ----------------------------------------------------------- timing / tables --

@@ -74,12 +74,13 @@ def test_dlrm_with_streams_and_projection():
 
 TORCHREC_PY = os.environ.get(
     "GEM_JAX_TORCHREC_PYTHON",
-    os.path.expanduser("~/.cache/gem_jax-peers/torchrec-venv/bin/python"))
+    os.path.expanduser("~/.cache/gem_jax/torchrec-venv/bin/python"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(TORCHREC_PY), reason="no TorchRec venv "
-                    "(bash ../shared/peers/setup_torchrec.sh, or set GEM_JAX_TORCHREC_PYTHON)")
+@pytest.mark.skipif(not os.path.exists(TORCHREC_PY), reason=f"no TorchRec venv at {TORCHREC_PY} "
+                    "(bash benchmarks/torchrec/setup.sh makes ~/.cache/gem_jax/torchrec-venv; "
+                    "or set GEM_JAX_TORCHREC_PYTHON)")
 @pytest.mark.parametrize("kind", ["dot", "dcn"])
 def test_matches_torchrec_exactly(tmp_path, kind):
   """Same weights and inputs through torchrec.models.dlrm and ours: same logits (fp32)."""

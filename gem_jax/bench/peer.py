@@ -1,53 +1,44 @@
-"""The TorchRec peer (../shared/peers/torchrec_bench.py): its data as a gem_jax source, its command.
+"""The TorchRec peer (benchmarks/torchrec/bench.py): its data as a gem_jax source, its command.
 
-Same ids, dense features and labels as the peer: its numpy generators are
-imported from `torchrec_bench` (torch is imported there lazily, so gem_jax never
-needs torch). The peer builds its Zipf samplers from `default_rng(seed)` and
-draws batches from `default_rng(seed + 1)`; `PeerSource` does the same and
-cycles a pre-generated pool of `pool` batches (the peer's `--batch-pool`), so
-data generation is outside the timed steps on both sides.
+Both sides train on `gem_jax.bench.peer_data` (numpy only): `PeerSource` gives
+its arrays as gem_jax batches, and benchmarks/torchrec/bench.py imports the same
+module from the checkout, so ids, dense features and labels are identical. The
+samplers come from `default_rng(seed)` and the batches from `default_rng(seed + 1)`;
+a pool of `pool` batches (the peer's `--batch-pool`) is generated once and cycled,
+so data generation is outside the timed steps on both sides.
 
 Batch contract (gem_jax.data.spec) of one peer batch of B examples, T tables:
   dense (B, 13) float32, ids {'f0'..'f{T-1}': int64 (B, L)}, labels (B, 1),
   label_mask ones (B, 1), domain zeros (B,), no sequences.
 
-The peer runs in its own virtualenv (made by ../shared/peers/setup_torchrec.sh),
-as a subprocess, never at the same time as the gem_jax steps.
+The peer runs in its own virtualenv (`bash benchmarks/torchrec/setup.sh`, default
+~/.cache/gem_jax/torchrec-venv; GEM_JAX_TORCHREC_PYTHON overrides its python), as a
+subprocess, never at the same time as the gem_jax steps. torch is never imported here.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
-import sys
 from typing import Any, Sequence
 
 import numpy as np
 
+from gem_jax.bench import peer_data
 from gem_jax.data import registry
 from gem_jax.data.spec import DataSpec, SparseFeatureSpec
 
-NUM_DENSE = 13
-DEFAULT_VENV_PYTHON = os.path.join("~", ".cache", "gem_jax-peers", "torchrec-venv", "bin", "python")
+NUM_DENSE = peer_data.NUM_DENSE
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER_SCRIPT = os.path.join(_REPO, "benchmarks", "torchrec", "bench.py")
+SETUP_HINT = "bash benchmarks/torchrec/setup.sh"
+DEFAULT_VENV_PYTHON = os.path.join("~", ".cache", "gem_jax", "torchrec-venv", "bin", "python")
 
 
-def peers_dir() -> str:
-  """$GEM_JAX_PEERS_DIR, else ../shared/peers beside the checkout."""
-  return os.path.abspath(os.environ.get("GEM_JAX_PEERS_DIR",
-                                        os.path.join(_REPO, "..", "shared", "peers")))
-
-
-def peer_module():
-  """The peer's `torchrec_bench` module (numpy-only at import)."""
-  d = peers_dir()
-  if d not in sys.path:
-    sys.path.insert(0, d)
-  try:
-    return importlib.import_module("torchrec_bench")
-  except ImportError as e:
-    raise FileNotFoundError(f"torchrec_bench.py not found in {d} (set GEM_JAX_PEERS_DIR)") from e
+def peer_python(python: str | None = None) -> str:
+  """The peer's interpreter: `python`, else $GEM_JAX_TORCHREC_PYTHON, else the default venv."""
+  return os.path.expanduser(python or os.environ.get("GEM_JAX_TORCHREC_PYTHON",
+                                                     DEFAULT_VENV_PYTHON))
 
 
 def peer_spec(num_tables: int = 8, rows: int = 100_000, pooling: int = 1) -> DataSpec:
@@ -57,7 +48,7 @@ def peer_spec(num_tables: int = 8, rows: int = 100_000, pooling: int = 1) -> Dat
 
 
 def to_batch(dense: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> dict:
-  """The peer's (dense (B,13), ids (T,B,L), labels (B,)) as a gem_jax batch dict."""
+  """A peer_data batch (dense (B,13), ids (T,B,L), labels (B,)) as a gem_jax batch dict."""
   b = dense.shape[0]
   return {
       "dense": np.asarray(dense, np.float32),
@@ -93,7 +84,7 @@ class _PoolIterator:
 
 
 class PeerSource:
-  """The peer's synthetic batches (identical arrays), as a gem_jax data source.
+  """The peer's synthetic batches (`peer_data`, identical arrays), as a gem_jax data source.
 
   Args:
     num_tables, rows, pooling, alpha, seed, permute: the peer's flags
@@ -106,6 +97,7 @@ class PeerSource:
     self.num_tables, self.rows, self.pooling = num_tables, rows, pooling
     self.alpha, self.seed, self.pool_size, self.permute = alpha, seed, pool, permute
     self.spec = peer_spec(num_tables, rows, pooling)
+    self.data = peer_data.PeerData(num_tables, rows, pooling, alpha, seed, permute)
     self._pools: dict[int, list] = {}
 
   @classmethod
@@ -117,18 +109,12 @@ class PeerSource:
                pool=get("pool", 32))
 
   def describe(self) -> str:
-    return f"torchrec_bench synthetic ({self.num_tables} x {self.rows}, seed {self.seed})"
+    return f"peer_data synthetic ({self.num_tables} x {self.rows}, seed {self.seed})"
 
   def pool(self, batch_size: int) -> list[dict]:
-    """The `pool` batches of `batch_size` rows, generated exactly as the peer does."""
+    """The `pool` batches of `batch_size` rows: peer_data's first `pool` batches."""
     if batch_size not in self._pools:
-      tb = peer_module()
-      samplers = tb.make_samplers(self.num_tables, self.rows, self.alpha, self.seed,
-                                  permute=self.permute)
-      rng = np.random.default_rng(self.seed + 1)
-      self._pools[batch_size] = [to_batch(*tb.synthetic_batch(samplers, batch_size,
-                                                              self.pooling, rng))
-                                 for _ in range(self.pool_size)]
+      self._pools[batch_size] = [to_batch(*b) for b in self.data.pool(batch_size, self.pool_size)]
     return self._pools[batch_size]
 
   def batches(self, batch_size: int, *, process_index: int = 0, process_count: int = 1,
@@ -155,30 +141,51 @@ registry.register("torchrec_synthetic", PeerSource.from_config)
 
 def peer_command(*, interaction: str = "dot", batch_size: int = 4096, steps: int = 20,
                  warmup: int = 5, num_tables: int = 8, rows: int = 100_000, dim: int = 64,
-                 pooling: int = 1, bottom_mlp: Sequence[int] = (512, 256),
+                 pooling: int = 1, alpha: float = 1.05, bottom_mlp: Sequence[int] = (512, 256),
                  top_mlp: Sequence[int] = (512, 256), dcn_layers: int = 3, dcn_rank: int = 512,
                  lr: float = 0.1, optimizer: str = "sgd", threads: int = 2, seed: int = 0,
-                 pool: int = 32, python: str | None = None, script: str | None = None,
-                 extra: Sequence[str] = ()) -> list[str]:
-  """argv of one synthetic peer run with exactly these model/data settings."""
-  python = os.path.expanduser(python or os.environ.get("GEM_JAX_TORCHREC_PYTHON",
-                                                       DEFAULT_VENV_PYTHON))
-  script = script or os.path.join(peers_dir(), "torchrec_bench.py")
-  cmd = [python, script, "--interaction", interaction, "--batch-size", str(batch_size),
+                 pool: int = 32, autocast: str = "off", python: str | None = None,
+                 script: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+  """argv of one synthetic peer run with exactly these model/data settings.
+
+  `script` defaults to benchmarks/torchrec/bench.py; any script taking the same flags
+  works (e.g. ../shared/peers/torchrec_bench.py, as a cross-check).
+  """
+  if autocast not in ("off", "bf16"):
+    raise ValueError(f"autocast must be 'off' or 'bf16', got {autocast!r}")
+  cmd = [peer_python(python), os.path.abspath(script or PEER_SCRIPT),
+         "--interaction", interaction, "--batch-size", str(batch_size),
          "--steps", str(steps), "--warmup", str(warmup), "--num-tables", str(num_tables),
          "--rows", str(rows), "--dim", str(dim), "--pooling", str(pooling),
+         "--alpha", repr(float(alpha)),
          "--bottom-mlp", ",".join(str(h) for h in bottom_mlp),
          "--top-mlp", ",".join(str(h) for h in top_mlp), "--optimizer", optimizer,
          "--lr", repr(float(lr)), "--threads", str(threads), "--seed", str(seed),
-         "--batch-pool", str(pool)]
+         "--batch-pool", str(pool), "--autocast", autocast]
   if interaction == "dcn":
     cmd += ["--dcn-layers", str(dcn_layers), "--dcn-rank", str(dcn_rank)]
   return cmd + list(extra)
 
 
+def peer_autocast(config) -> str:
+  """The peer precision matching gem_jax's: bf16 (or fp8) compute -> 'bf16', fp32 -> 'off'.
+
+  gem_jax's policy is bf16 matmul operands with fp32 accumulation, fp32 weights, tables
+  and optimizer; the peer's `--autocast bf16` is torch.autocast over its dense part with
+  fp32 tables, optimizer and loss: the same split. (fp8 has no CPU peer; bf16 is nearest.)
+  """
+  m = config.model
+  return "bf16" if m.get("fp8", False) or str(m.get("dtype", "float32")) in (
+      "bfloat16", "bf16") else "off"
+
+
 def peer_command_from_config(config, *, steps: int, warmup: int, threads: int = 2,
-                             python: str | None = None) -> list[str]:
-  """`peer_command` for a dlrm_peer-style run config (same model, data and optimizer)."""
+                             python: str | None = None, script: str | None = None,
+                             autocast: str | None = None) -> list[str]:
+  """`peer_command` for a dlrm_peer-style run config (same model, data, optimizer, precision).
+
+  `autocast` None: the config's precision (`peer_autocast`).
+  """
   from gem_jax.models import config as model_config  # pylint: disable=import-outside-toplevel
   cfg = model_config.get_config(config.model.preset,
                                 **{k: tuple(v) if isinstance(v, list) else v
@@ -187,10 +194,10 @@ def peer_command_from_config(config, *, steps: int, warmup: int, threads: int = 
   return peer_command(
       interaction="dcn" if config.model.name == "dcnv2" else "dot", batch_size=d.batch_size,
       steps=steps, warmup=warmup, num_tables=d.num_tables, rows=d.rows, dim=config.embedding.dim,
-      pooling=d.pooling, bottom_mlp=cfg.bottom_mlp, top_mlp=cfg.top_mlp,
-      dcn_layers=cfg.dcn_layers, dcn_rank=cfg.dcn_rank, lr=config.optim.lr,
+      pooling=d.pooling, alpha=d.get("alpha", 1.05), bottom_mlp=cfg.bottom_mlp,
+      top_mlp=cfg.top_mlp, dcn_layers=cfg.dcn_layers, dcn_rank=cfg.dcn_rank, lr=config.optim.lr,
       optimizer=config.optim.name, threads=threads, seed=d.peer_seed, pool=d.pool,
-      python=python)
+      autocast=autocast or peer_autocast(config), python=python, script=script)
 
 
 def parse_peer_output(stdout: str) -> dict:
@@ -212,11 +219,13 @@ def run_peer(cmd: Sequence[str], timeout_s: float = 1800.0) -> dict:
     FileNotFoundError when the venv python or the script is missing (with the setup hint);
     RuntimeError with the peer's stderr tail when it fails.
   """
-  for path in cmd[:2]:
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path} not found: create the TorchRec venv with "
-                              f"`bash {os.path.join(peers_dir(), 'setup_torchrec.sh')}` "
-                              "or set GEM_JAX_TORCHREC_PYTHON")
+  python, script = cmd[0], cmd[1]
+  if not os.path.exists(python):
+    raise FileNotFoundError(f"no TorchRec venv python at {python}: create it with "
+                            f"`{SETUP_HINT}` or set GEM_JAX_TORCHREC_PYTHON")
+  if not os.path.exists(script):
+    raise FileNotFoundError(f"peer script {script} not found (benchmarks/torchrec/bench.py "
+                            f"ships with the checkout; venv: `{SETUP_HINT}`)")
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env.pop("PYTHONPATH", None)
