@@ -30,7 +30,7 @@ def _np_mlp(layers, x, relu_last):
 
 
 def _np_dlrm(m, x):
-  """TorchRec DLRM / DLRM_DCN forward written from ../shared/peers README section 3."""
+  """TorchRec DLRM / DLRM_DCN forward (torchrec.models.dlrm), written in NumPy."""
   dense_out = _np_mlp(m.bottom.layers, x["dense"].astype(np.float64), True)  # (B, D)
   z = np.stack([dense_out] + [x["sparse"][f"f{i}"] for i in range(T)], 1)  # (B, T+1, D)
   if m.crossnet is None:

@@ -133,7 +133,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Published Wukong config (l=8, n_F=n_L=192, k=192, MLP 3x16384, d=160, 384 inputs).
     "wukong_108": dict(d_model=160, num_blocks=8, wukong_nf=192, wukong_nl=192, wukong_k=192,
                        wukong_mlp=(16384, 16384, 16384), cross_layer=False),
-    # The TorchRec peer (../shared/peers README §3): bottom 13->512->256->64, top 512,256,1.
+    # The TorchRec peer (benchmarks/torchrec/bench.py): bottom 13->512->256->64, top 512,256,1.
     "dlrm_torchrec": dict(d_model=64, bottom_mlp=(512, 256), top_mlp=(512, 256)),
     # MLPerf DLRM-DCNv2: dim 128, bottom 512-256-128, 3 cross layers rank 512, top 1024-1024-512-256-1.
     "dcnv2_mlperf": dict(d_model=128, bottom_mlp=(512, 256), top_mlp=(1024, 1024, 512, 256),
