@@ -1,12 +1,11 @@
 """Attention, CrossAttention and PMA against a float64 NumPy reference; jagged masks."""
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax.layers.attention import (PMA, Attention, CrossAttention, attention_flops,
                                       time_bucket)
 
@@ -15,105 +14,28 @@ LENGTHS = (7, 10, 0)  # the last row has no valid event
 
 
 # ----------------------------------------------------------------------------- reference
+# The float64 references live in tests/references.py (shared with the GEM forward test);
+# these wrappers read a module's switches and hand its parameter arrays over.
 def np_(p):
   return np.asarray(p[...], np.float64)
 
 
-def ref_rms(x, scale, eps=1e-6):
-  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
-
-
-def ref_layernorm(x, scale, bias, eps=1e-6):
-  mu = x.mean(-1, keepdims=True)
-  var = ((x - mu) ** 2).mean(-1, keepdims=True)
-  return (x - mu) / np.sqrt(var + eps) * scale + bias
-
-
-def ref_rope(x, base=10000.0):
-  """x (B, L, H, dh): pair (x_i, x_{i+dh/2}) rotated by p * base^(-2i/dh)."""
-  _, n, _, dh = x.shape
-  out = np.empty_like(x)
-  for p in range(n):
-    for i in range(dh // 2):
-      a = p * base ** (-2.0 * i / dh)
-      x1, x2 = x[:, p, :, i], x[:, p, :, i + dh // 2]
-      out[:, p, :, i] = x1 * math.cos(a) - x2 * math.sin(a)
-      out[:, p, :, i + dh // 2] = x2 * math.cos(a) + x1 * math.sin(a)
-  return out
-
-
-def ref_bucket(delta, nb):
-  return np.clip(np.floor(np.log2(1.0 + np.abs(delta))), 0, nb - 1).astype(int)
-
-
-def ref_core(q, k, v, allowed, bias, score, norm):
-  """q (B, Lq, H, dh), k/v (B, Lk, H, dh), allowed (B, Lq, Lk), bias (B, H, Lq, Lk)."""
-  s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]) + bias
-  a = allowed[:, None]
-  if score == "softmax":
-    a = np.broadcast_to(a, s.shape)
-    m = np.max(np.where(a, s, -np.inf), axis=-1, keepdims=True)
-    e = np.where(a, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
-    tot = e.sum(-1, keepdims=True)
-    p = e / np.where(tot > 0, tot, 1.0)
-  else:
-    p = np.where(a, s / (1.0 + np.exp(-s)), 0.0) / norm
-  return np.einsum("bhqk,bkhd->bqhd", p, v)
-
-
-def ref_allowed(valid, mask, block, recent_first=True):
-  n = valid.shape[1]
-  i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-  rule = {"full": np.ones((n, n), bool),
-          "causal": (j >= i) if recent_first else (j <= i),
-          "block_local": (i // block) == (j // block)}[mask]
-  return valid[:, None, :] & rule[None]
+ref_layernorm = R.layernorm
 
 
 def ref_attention(m, x, valid, dt=None, *, mask="full", block=64, recent_first=True):
   """Float64 reference of `Attention` with the module's own parameters."""
-  x = np.asarray(x, np.float64)
-  n = x.shape[1]
-  qkv = x @ np_(m.qkv.kernel) + np_(m.qkv.bias)
-  q, k, v = [t.reshape(x.shape[0], n, H, D // H) for t in np.split(qkv, 3, -1)]
-  if m.q_norm is not None:
-    q, k = ref_rms(q, np_(m.q_norm.scale)), ref_rms(k, np_(m.k_norm.scale))
-  if m.rope:
-    q, k = ref_rope(q), ref_rope(k)
-  bias = np.zeros((x.shape[0], H, n, n))
-  if m.time_bias is not None:
-    dt = np.asarray(dt, np.float64)
-    table = np_(m.time_bias)
-    bias = np.moveaxis(table[ref_bucket(dt[:, :, None] - dt[:, None, :], table.shape[0])], -1, 1)
-  norm = block if mask == "block_local" else n
-  o = ref_core(q, k, v, ref_allowed(np.asarray(valid), mask, block, recent_first), bias,
-               m.score, norm)
-  o = np.where(np.asarray(valid)[:, :, None, None], o, 0.0).reshape(x.shape[0], n, D)
-  return o @ np_(m.out.kernel) + np_(m.out.bias)
+  return R.attention(R.params(m), x, valid, dt, heads=m.num_heads, score=m.score, mask=mask,
+                     block=block, rope_on=m.rope, recent_first=recent_first)
 
 
 def ref_cross(m, q_in, kv, kv_valid, kv_dt=None):
-  q_in, kv = np.asarray(q_in, np.float64), np.asarray(kv, np.float64)
-  b, nq, n = q_in.shape[0], q_in.shape[1], kv.shape[1]
-  q = (q_in @ np_(m.q_proj.kernel) + np_(m.q_proj.bias)).reshape(b, nq, H, D // H)
-  k, v = [t.reshape(b, n, H, D // H)
-          for t in np.split(kv @ np_(m.kv_proj.kernel) + np_(m.kv_proj.bias), 2, -1)]
-  if m.q_norm is not None:
-    q, k = ref_rms(q, np_(m.q_norm.scale)), ref_rms(k, np_(m.k_norm.scale))
-  bias = np.zeros((b, H, nq, n))
-  if m.time_bias is not None:
-    table = np_(m.time_bias)
-    bias = bias + np.moveaxis(table[ref_bucket(np.asarray(kv_dt, np.float64), table.shape[0])],
-                              -1, 1)[:, :, None, :]
-  allowed = np.broadcast_to(np.asarray(kv_valid)[:, None, :], (b, nq, n))
-  o = ref_core(q, k, v, allowed, bias, m.score, n).reshape(b, nq, D)
-  return o @ np_(m.out.kernel) + np_(m.out.bias)
+  return R.cross_attention(R.params(m), q_in, kv, kv_valid, kv_dt, heads=m.num_heads,
+                           score=m.score)
 
 
 def ref_pma(m, x, valid):
-  seeds = np.broadcast_to(np_(m.seeds), (x.shape[0],) + m.seeds.shape)
-  kv = ref_layernorm(np.asarray(x, np.float64), np_(m.norm.scale), np_(m.norm.bias))
-  return seeds + ref_cross(m.attn, seeds, kv, valid)
+  return R.pma(R.params(m), x, valid, heads=m.attn.num_heads, score=m.attn.score)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import references as R
 from gem_jax.layers.features import (DenseTokenizer, SequenceEmbedder, SparseProjector,
                                      lengths_to_mask, log_time_bucket)
 
@@ -11,9 +12,7 @@ from gem_jax.layers.features import (DenseTokenizer, SequenceEmbedder, SparsePro
 def test_dense_tokenizer_shape_and_reference():
   m = DenseTokenizer(5, 3, 4, (8,), rngs=nnx.Rngs(0))
   x = np.random.default_rng(0).normal(size=(2, 5)).astype(np.float32)
-  l0, l1 = m.mlp.layers
-  h = np.maximum(x @ np.asarray(l0.kernel[...]) + np.asarray(l0.bias[...]), 0)
-  ref = (h @ np.asarray(l1.kernel[...]) + np.asarray(l1.bias[...])).reshape(2, 3, 4)
+  ref = R.dense_tokenizer(R.params(m), x, 3)  # (2, 3, 4)
   np.testing.assert_allclose(np.asarray(m(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -55,11 +54,8 @@ def test_sequence_embedder_reference_and_padding():
   items, action, surface, dt, mask = _seq_inputs(rng)
   x, valid, dt_out = m({k: jnp.asarray(v) for k, v in items.items()}, action, surface, dt, mask)
   assert x.shape == (2, 5, 8) and valid.dtype == jnp.bool_
-  e = np.concatenate([items["i0"], items["i1"]], -1) @ np.asarray(m.item_proj.kernel[...])
-  e = (e - e.mean(-1, keepdims=True)) / np.sqrt(e.var(-1, keepdims=True) + 1e-5)
-  bucket = np.minimum(15, np.floor(np.log2(1 + dt))).astype(int)
-  ref = (e + np.asarray(m.action_emb[...])[action] + np.asarray(m.surface_emb[...])[surface]
-         + np.asarray(m.time_emb[...])[bucket]) * mask[..., None]
+  e = np.concatenate([items["i0"], items["i1"]], -1)
+  ref, _, _ = R.sequence_embedder(R.params(m), e, action, surface, dt, mask)
   np.testing.assert_allclose(np.asarray(x), ref, rtol=1e-4, atol=1e-5)
   # random values in padded events change nothing
   items2 = {k: np.where(mask[..., None], v, rng.normal(size=v.shape) * 100).astype(np.float32)

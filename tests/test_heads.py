@@ -5,19 +5,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax.layers.heads import MultiTaskHeads, masked_multitask_bce
 
 B, H, T, NDOM = 6, 8, 3, 2
 
 
 def _np_grouped(m, x, g):
-  for j, (w, b) in enumerate(zip(m.kernels, m.biases)):
-    x = x @ np.asarray(w[...])[g] + np.asarray(b[...])[g]
-    if j < len(m.kernels) - 1:
-      x = np.maximum(x, 0)
-    elif m.final_activation == "relu":
-      x = np.maximum(x, 0)
-  return x
+  """Group g of a GroupedMLP (tests/references.py)."""
+  return R.grouped_mlp(R.params(m), x, g, final=m.final_activation)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +37,7 @@ def test_towers_select_domain(data):
   m = _randomize(MultiTaskHeads(H, T, NDOM, kind="towers", hidden=(5,), rngs=nnx.Rngs(0)), 1)
   y = m(jnp.asarray(h), jnp.asarray(dom))
   assert y.shape == (B, T) and y.dtype == jnp.float32
-  ref = np.stack([_np_grouped(m.towers, h[b], dom[b]) for b in range(B)])
+  ref = R.heads(R.params(m), h, dom)  # Tower_{dom[b]}(h[b]) per row
   np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
   assert m.towers.kernels[0].get_metadata()["logical_axes"] == ("domains", None, None)
 

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax.layers.interformer import (PFFN, Gating, InterFormerBlock, interformer_flops,
                                         sequence_branch_flops)
-from test_attention import (D, H, inputs, np_, randomize_params, ref_attention, ref_layernorm,
-                            ref_pma, scramble_padding)
-from test_sequence import ref_gelu, ref_ln
+from test_attention import D, H, inputs, np_, randomize_params, scramble_padding
 
 N_X = 5  # non-sequence tokens
 N_S = 4 + 2 + 2  # default CLS + PMA + recent summary tokens
@@ -32,48 +31,33 @@ def ref_mixer(m, z):
   return np.tanh(np.einsum("bnd,nm->bmd", z, np_(m.w_t)) @ np_(m.w_d))
 
 
+def _branch_kw(br, mask):
+  return dict(heads=br.attn.num_heads, num_recent=br.num_recent, score=br.attn.score,
+              mask=mask, block=br.attn.block_size, rope_on=br.attn.rope)
+
+
 def ref_gating(g, x):
-  m = ref_gelu(x @ np_(g.fc1.kernel) + np_(g.fc1.bias)) @ np_(g.fc2.kernel) + np_(g.fc2.bias)
-  return x / (1.0 + np.exp(-x * m))
+  return R.gating(R.params(g), x)
 
 
 def ref_pffn(p, x_sum, s):
-  k, v = x_sum @ np_(p.w_k.kernel), x_sum @ np_(p.w_v.kernel)
-  h = ref_gelu(np.einsum("bld,bmd->blm", ref_ln(p.norm, s), k) / np.sqrt(s.shape[-1]))
-  return s + h @ v
+  return R.pffn(R.params(p), x_sum, s)
 
 
 def ref_x_summary(blk, x):
-  z = np.einsum("bnd,nm->bmd", x, np_(blk.x_mix))
-  z = ref_gelu(z @ np_(blk.x_fc1.kernel) + np_(blk.x_fc1.bias))
-  return ref_gating(blk.x_gate, z @ np_(blk.x_fc2.kernel) + np_(blk.x_fc2.bias))
+  return R.x_summary(R.params(blk), x)
 
 
 def ref_branch(br, x_sum, s, valid, dt, mask="causal"):
   """Float64 reference of one stream's SequenceBranch: (s' (B, L, D), s_sum (B, 8, D))."""
-  s, valid, dt = np.asarray(s, np.float64), np.asarray(valid), np.asarray(dt, np.float64)
-  b, L = s.shape[:2]
-  u = ref_pffn(br.pffn, x_sum, s)
-  u = np.concatenate([np.broadcast_to(np_(br.cls), (b, 4, D)), u], 1)
-  v_ext = np.concatenate([np.ones((b, 4), bool), valid], 1)
-  dt_ext = np.concatenate([np.zeros((b, 4)), dt], 1)
-  u = u + ref_attention(br.attn, ref_ln(br.attn_norm, u), v_ext, dt_ext, mask=mask)
-  s_cls, s_new = u[:, :4], u[:, 4:]
-  ok = np.pad(valid[:, :2], [(0, 0), (0, max(0, 2 - L))])
-  rec = np.where(ok[:, :, None], np.pad(s_new[:, :2], [(0, 0), (0, max(0, 2 - L)), (0, 0)]), 0.0)
-  summ = ref_ln(br.s_norm, np.concatenate([s_cls, ref_pma(br.pma, s_new, valid), rec], 1))
-  summ[:, 6:] = np.where(ok[:, :, None], summ[:, 6:], 0.0)
-  return s_new, ref_gating(br.s_gate, summ)
+  return R.sequence_branch(R.params(br), x_sum, s, valid, dt, **_branch_kw(br, mask))
 
 
 def ref_block(blk, x, streams):
   """Float64 reference of InterFormerBlock: X_sum once, one branch per stream, interaction."""
-  x = np.asarray(x, np.float64)
-  x_sum = ref_x_summary(blk, x)
-  outs = [ref_branch(br, x_sum, *st) for br, st in zip(blk.branches, streams)]
-  s_sum = np.concatenate([o[1] for o in outs], 1)
-  x_new = ref_mixer(blk.interaction, np.concatenate([x, s_sum], 1))[:, :N_X]
-  return x_new, [o[0] for o in outs], x_sum, s_sum
+  return R.interformer_block(R.params(blk), x, streams,
+                             lambda z: ref_mixer(blk.interaction, z), n_tokens=N_X,
+                             **_branch_kw(blk.branches[0], "causal"))
 
 
 def _inputs(seed=0):

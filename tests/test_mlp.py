@@ -5,16 +5,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax.layers.mlp import MLP, LayerNorm, mlp_flops
 
 
 def _np_mlp(m, x):
-  h = x
-  for j, layer in enumerate(m.layers):
-    h = h @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
-    if j < len(m.layers) - 1:
-      h = np.maximum(h, 0)
-  return h
+  return R.mlp(R.params(m), x, final=m.final_activation, act=m.activation)
 
 
 def test_mlp_matches_numpy():
@@ -53,8 +49,7 @@ def test_layernorm_matches_numpy_and_keeps_dtype():
   ln.scale[...] = jnp.arange(1.0, 7.0)
   ln.bias[...] = jnp.full((6,), 0.5)
   x = np.random.default_rng(2).normal(size=(3, 6)).astype(np.float32)
-  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-  ref = (x - mu) / np.sqrt(var + 1e-5) * np.arange(1.0, 7.0) + 0.5
+  ref = R.layernorm(x.astype(np.float64), np.arange(1.0, 7.0), 0.5, eps=R.LN_EPS_MLP)
   y = ln(jnp.asarray(x))
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2, atol=2e-2)

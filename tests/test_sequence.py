@@ -5,51 +5,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax.layers.sequence import (PyramidStack, SequenceBlock, pyramid_flops,
                                      sequence_block_flops)
-from test_attention import (D, H, inputs, np_, randomize_params, ref_attention, ref_layernorm,
-                            ref_pma, scramble_padding)
+from test_attention import D, H, inputs, randomize_params, scramble_padding
 
 
-def ref_gelu(x):  # jax.nn.gelu's default tanh approximation
-  return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def ref_ln(mod, x):
-  return ref_layernorm(x, np_(mod.scale), np_(mod.bias))
-
-
+# Float64 references: tests/references.py (shared with the GEM forward test).
 def ref_block(blk, x, valid, dt, mask, block):
-  x = np.asarray(x, np.float64)
-  x = x + ref_attention(blk.attn, ref_ln(blk.norm1, x), valid, dt, mask=mask, block=block)
-  h = ref_gelu(ref_ln(blk.norm2, x) @ np_(blk.ffn.up.kernel) + np_(blk.ffn.up.bias))
-  return x + h @ np_(blk.ffn.down.kernel) + np_(blk.ffn.down.bias)
+  return R.sequence_block(R.params(blk), x, valid, dt, heads=blk.attn.num_heads,
+                          score=blk.attn.score, mask=mask, block=block, rope_on=blk.attn.rope)
 
 
 def ref_branch(br, x, valid, dt, mask, block):
   """Float64 reference of one PyramidBranch (module docstring of gem_jax.layers.sequence)."""
-  lengths, k = br.stage_lengths, br.num_summary
-  x, valid, dt = np.asarray(x, np.float64), np.asarray(valid), np.asarray(dt, np.float64)
-  x, valid, dt = x[:, :lengths[0]], valid[:, :lengths[0]], dt[:, :lengths[0]]
-
-  def reduce(i, x, valid, dt, n, last):
-    if br.reduce == "pma":
-      return ref_pma(br.pmas[i], x, valid), np.ones((x.shape[0], n), bool), \
-          np.zeros((x.shape[0], n))
-    if last and x.shape[1] < n:
-      p = n - x.shape[1]
-      x = np.concatenate([x, np.zeros((x.shape[0], p, x.shape[2]))], 1)
-      valid = np.concatenate([valid, np.zeros((x.shape[0], p), bool)], 1)
-      dt = np.concatenate([dt, np.zeros((x.shape[0], p))], 1)
-    return x[:, :n], valid[:, :n], dt[:, :n]
-
-  for s, blocks in enumerate(br.stages):
-    if s:
-      x, valid, dt = reduce(s - 1, x, valid, dt, lengths[s], False)
-    for blk in blocks:
-      x = ref_block(blk, x, valid, dt, mask, block)
-  x, valid, _ = reduce(len(lengths) - 1, x, valid, dt, k, True)
-  return np.where(valid[:, :, None], ref_ln(br.final_norm, x), 0.0)
+  attn = br.stages[0][0].attn
+  return R.pyramid_branch(R.params(br), x, valid, dt, stage_lengths=br.stage_lengths,
+                          reduce=br.reduce, num_summary=br.num_summary, heads=attn.num_heads,
+                          score=attn.score, mask=mask, block=block, rope_on=attn.rope)
 
 
 CASES = [(s, m) for s in ("softmax", "silu") for m in ("full", "causal", "block_local")]

@@ -5,35 +5,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import references as R
 from gem_jax import flops
 from gem_jax.layers.wukong import FM, LCB, WukongLayer, WukongStack
 
 B, N, D = 3, 6, 8
 
 
-def _ln(x, scale, bias):
-  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-  return (x - mu) / np.sqrt(var + 1e-5) * scale + bias
-
-
-def _np_mlp(m, x):
-  for j, layer in enumerate(m.layers):
-    x = x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
-    if j < len(m.layers) - 1:
-      x = np.maximum(x, 0)
-  return x
-
-
 def _np_layer(m, x):
-  """Reference Wukong layer written from the paper's formulas."""
-  p = lambda v: np.asarray(v[...], np.float64)
-  y = p(m.fmb.fm.y)
-  f = np.einsum("bnm,mk->bnk", x @ x.transpose(0, 2, 1), y)  # (X X^T) Y
-  h = _ln(f.reshape(len(x), -1), p(m.fmb.norm.scale), p(m.fmb.norm.bias))
-  fmb = _np_mlp(m.fmb.mlp, h).reshape(len(x), m.fmb.n_f, -1)
-  lcb = np.einsum("ln,bnd->bld", p(m.lcb.w), x)
-  res = x if m.res is None else np.einsum("on,bnd->bod", p(m.res), x)
-  return _ln(np.concatenate([fmb, lcb], 1) + res, p(m.norm.scale), p(m.norm.bias))
+  """Reference Wukong layer written from the paper's formulas (tests/references.py)."""
+  return R.wukong_layer(R.params(m), x)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +24,7 @@ def x():
 
 def test_fm_equals_full_interaction_times_y(x):
   fm = FM(N, 4, rngs=nnx.Rngs(0))
-  ref = np.einsum("bnm,mk->bnk", x @ x.transpose(0, 2, 1), np.asarray(fm.y[...]))
+  ref = R.fm(np.asarray(fm.y[...], np.float64), x.astype(np.float64))
   np.testing.assert_allclose(np.asarray(fm(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -83,19 +64,7 @@ def test_stack_cross_layer_attention_matches_reference(x):
   m = WukongStack(N, D, num_layers=3, n_f=4, n_l=4, k=4, mlp_hidden=(16,), cross_layer=True,
                   rngs=nnx.Rngs(4))
   m.cross.query[...] = jax.random.normal(jax.random.key(0), m.cross.query[...].shape)
-  xd = x.astype(np.float64)
-  x0 = np.einsum("on,bnd->bod", np.asarray(m.x0_proj[...]), xd)
-  sources, h = [x0], xd
-  for l, layer in enumerate(m.layers):
-    if l > 0:
-      s = np.stack(sources, 1)  # (B, J, n, d)
-      q = np.asarray(m.cross.query[...])[l - 1]
-      sc = s.mean(2) @ q / np.sqrt(D) + np.asarray(m.cross.bias[...])[l - 1, :len(sources)]
-      a = np.exp(sc - sc.max(-1, keepdims=True))
-      a /= a.sum(-1, keepdims=True)
-      h = np.einsum("bj,bjnd->bnd", a, s)
-    h = _np_layer(layer, h)
-    sources.append(h)
+  h = R.wukong_stack(R.params(m), x.astype(np.float64))
   np.testing.assert_allclose(np.asarray(m(jnp.asarray(x))), h, rtol=1e-4, atol=1e-4)
 
 
