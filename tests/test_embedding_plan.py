@@ -103,7 +103,7 @@ def test_describe_lists_every_device():
     assert col in text
   assert "big[rw 0:50000]" in text and "big[rw 50000:100000]" in text
   assert "mid1[tw]" in text and "tiny[rep]" in text
-  assert len(text.splitlines()) == 3 + 4
+  assert len(text.splitlines()) == 1 + (2 + 4) + 1 + 4   # header, tables, devices
   by_dev = plan.device_bytes()
   assert by_dev["big"] == 50_000 * (64 * 4 + 4)
   assert all(v > 0 for u, v in plan.forward_bytes().items() if not u.startswith("replicated"))
@@ -125,7 +125,7 @@ def test_replica_sync_picks_fewer_bytes_and_counts_them():
   ex = plan.exchange_bytes()
   assert ex["sync/small"] == plan.sync_bytes()["small"]
   assert ex["row_wise.fh"] == plan.forward_bytes()["row_wise.fh"] > 0
-  assert "sync dense" in plan.describe()
+  assert "| dense " in plan.describe()   # the sync column
   one = plan_embeddings(tables, feats, make_mesh(1, 2), 16)
   assert {b.sync for b in one.buffers.values()} == {"none"}
   assert sum(one.sync_bytes().values()) == 0

@@ -9,6 +9,7 @@ ad history). A feature's pooling turns its bag of ids into one vector per exampl
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -51,8 +52,14 @@ class TableConfig:
       (contiguous row blocks over 'shard'), 'column_wise' (column blocks over
       'shard'), 'replicated' (every device), or 'auto' (the planner decides).
     initializer: `init(key, (rows, dim), dtype) -> array`.
-    id_policy: what `prepare_ids` does with ids >= rows: 'hash' (raw 64-bit ids
-      are hashed into range, also those already in range), 'error' or 'clip'.
+    id_policy: what `prepare_ids` does with raw ids. 'error' (default): ids in
+      [0, rows) pass unchanged, an id >= rows raises a ValueError naming it;
+      'hash': splitmix64(id) mod rows for every id, also those already in range
+      (raw 64-bit ids, signed or uint64; distinct ids can share a row); 'clip':
+      min(id, rows - 1). Negative signed ids are padding under every policy.
+    vocab: distinct raw ids the table's features can carry, when known (None:
+      unknown). Used only by `EmbeddingPlan.describe()` for the expected
+      share of ids that the policy merges (`expected_collision_rate`).
   """
   name: str
   rows: int
@@ -60,7 +67,8 @@ class TableConfig:
   dtype: Dtype = jnp.float32
   sharding: str = "auto"
   initializer: Initializer = dataclasses.field(default_factory=uniform_init)
-  id_policy: str = "hash"
+  id_policy: str = "error"
+  vocab: int | None = None
 
   def __post_init__(self):
     if self.rows <= 0 or self.dim <= 0:
@@ -70,6 +78,25 @@ class TableConfig:
       raise ValueError(f"table {self.name!r}: sharding {self.sharding!r} not in {SHARDING_TYPES}")
     if self.id_policy not in ID_POLICIES:
       raise ValueError(f"table {self.name!r}: id_policy {self.id_policy!r} not in {ID_POLICIES}")
+    if self.vocab is not None and self.vocab <= 0:
+      raise ValueError(f"table {self.name!r}: vocab must be positive or None, got {self.vocab}")
+
+
+def expected_collision_rate(rows: int, vocab: int | None, policy: str) -> float | None:
+  """Expected share of distinct ids merged with another id, 1 - E[rows hit] / vocab.
+
+  hash (vocab ids uniform over `rows` buckets): E[rows hit] = rows (1 - (1 - 1/rows)^vocab),
+  e.g. vocab = rows: 1 - (1 - 1/e) = 36.8 %; clip: min(vocab, rows) rows hit;
+  error: 0. None when `vocab` is unknown.
+  """
+  if policy == "error":
+    return 0.0
+  if vocab is None:
+    return None
+  if policy == "clip":
+    return 1.0 - min(vocab, rows) / vocab
+  hit = -rows * math.expm1(vocab * math.log1p(-1.0 / rows)) if rows > 1 else 1.0
+  return max(0.0, 1.0 - hit / vocab)
 
 
 @dataclasses.dataclass(frozen=True)

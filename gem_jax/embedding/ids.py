@@ -2,6 +2,9 @@
 
 Runs on numpy batches before the step, so that an out-of-range id fails with a
 clear message instead of silently reading a clamped row on the device.
+
+Signed ids: negative = padding. Unsigned ids (uint64 up to 2^64 - 1) are all
+real ids, taken by value: never cast to int64, so none becomes padding.
 """
 from __future__ import annotations
 
@@ -16,50 +19,107 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+def _check_integer(ids: np.ndarray, feature: str) -> None:
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise TypeError(f"feature {feature!r}: ids must be integers, got {ids.dtype}")
+
+
+def _padding(ids: np.ndarray) -> np.ndarray:
+  """Padding mask: id < 0 for signed dtypes, nothing for unsigned ones."""
+  if np.issubdtype(ids.dtype, np.unsignedinteger):
+    return np.zeros(ids.shape, bool)
+  return ids < 0
+
+
+def _as_uint64(ids: np.ndarray) -> np.ndarray:
+  """The 64-bit pattern of each id: uint64 by value, signed ids as two's complement."""
+  if np.issubdtype(ids.dtype, np.unsignedinteger):
+    return ids.astype(np.uint64)
+  return ids.astype(np.int64).view(np.uint64)
+
+
 def hash_ids(ids: np.ndarray, rows: int) -> np.ndarray:
-  """splitmix64(id) mod rows for ids >= 0; negative ids stay -1 (padding).
+  """splitmix64(id) mod rows for real ids; padding (negative signed ids) stays -1.
 
   A bijective 64-bit mix before the modulo spreads sequential or strided raw ids
-  evenly over the buckets (and hence over row-wise shards).
+  evenly over the buckets (and hence over row-wise shards). The mix reads the
+  full 64 bits: a signed id x >= 0 and the unsigned id x hash alike, and uint64
+  ids >= 2^63 are hashed by value. Returns int64.
   """
   ids = np.asarray(ids)
-  z = ids.astype(np.int64).view(np.uint64) + _GOLDEN
+  z = _as_uint64(ids) + _GOLDEN
   z = (z ^ (z >> np.uint64(30))) * _M1
   z = (z ^ (z >> np.uint64(27))) * _M2
   z = z ^ (z >> np.uint64(31))
   out = (z % np.uint64(rows)).astype(np.int64)
-  return np.where(ids < 0, -1, out)
+  return np.where(_padding(ids), -1, out)
 
 
 def apply_id_policy(ids: np.ndarray, rows: int, policy: str, feature: str,
                     table: str) -> np.ndarray:
-  """Maps raw ids of `feature` into table `table` of `rows` rows; returns int32."""
+  """Maps raw ids of `feature` into table `table` of `rows` rows; returns int32.
+
+  'error': ids in [0, rows) pass unchanged, a larger one raises; 'clip':
+  min(id, rows - 1); 'hash': `hash_ids`. Padding (negative signed ids) -> -1.
+  """
   ids = np.asarray(ids)
-  if not np.issubdtype(ids.dtype, np.integer):
-    raise TypeError(f"feature {feature!r}: ids must be integers, got {ids.dtype}")
-  ids = ids.astype(np.int64)
+  _check_integer(ids, feature)
+  pad = _padding(ids)
   if policy == "hash":
     out = hash_ids(ids, rows)
   elif policy == "clip":
-    out = np.where(ids < 0, -1, np.minimum(ids, rows - 1))
+    out = np.where(pad, -1, np.minimum(ids, rows - 1).astype(np.int64))
   elif policy == "error":
-    bad = ids >= rows
+    bad = ~pad & (ids >= rows)   # numpy compares uint64 with int by value
     if bad.any():
       where = tuple(int(i) for i in np.argwhere(bad)[0])
       raise ValueError(
           f"feature {feature!r}: id {int(ids[where])} at position {where} is out of range "
           f"for table {table!r} of {rows} rows (id_policy='error'; use 'hash' or 'clip' "
           f"to map it into range)")
-    out = np.where(ids < 0, -1, ids)
+    out = np.where(pad, -1, ids.astype(np.int64))   # every real id is < rows here
   else:
     raise ValueError(f"unknown id policy {policy!r}")
   return out.astype(np.int32)
 
 
+def id_collisions(raw: np.ndarray, rows: np.ndarray) -> tuple[int, int]:
+  """(distinct raw ids, distinct rows they land on) over the valid entries of a batch.
+
+  `raw` and `rows` are the same shape (before / after `apply_id_policy`); padding
+  (rows == -1) is left out. Exact for the batch: two sorts of at most B x bag
+  values, no state kept between batches. Merged share = 1 - rows / ids.
+  """
+  raw, rows = np.asarray(raw).ravel(), np.asarray(rows).ravel()
+  valid = rows >= 0
+  return int(np.unique(raw[valid]).size), int(np.unique(rows[valid]).size)
+
+
+def table_collisions(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray],
+                     prepared: Mapping[str, np.ndarray],
+                     policies: tuple[str, ...] = ("hash", "clip")) -> dict[str, tuple[int, int]]:
+  """Per table: `id_collisions` over all features reading it (their ids pooled).
+
+  Only tables whose id policy is in `policies` (under 'error' no two ids share a
+  row). Works on a global batch or one process's slice alike.
+  """
+  raw, out = {}, {}
+  for name, f in plan.features.items():
+    t = plan.tables[f.table]
+    if t.id_policy in policies:
+      raw.setdefault(t.name, []).append((np.asarray(host_ids[name]), prepared[name]))
+  for t, pairs in raw.items():
+    r = np.concatenate([_as_uint64(a).ravel() for a, _ in pairs])
+    m = np.concatenate([b.ravel() for _, b in pairs])
+    out[t] = id_collisions(r, m)
+  return out
+
+
 def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Applies each table's id policy to a host batch `{feature: (B, bag) ints}`.
 
-  Returns `{feature: int32 (B, bag)}` with -1 at padding; put it on the mesh with
+  B is the plan's global batch (`plan.batch_size`). Returns `{feature: int32
+  (B, bag)}` with -1 at padding; put it on the mesh with
   `jax.device_put(ids, plan.ids_shardings())`.
   """
   out = {}
@@ -69,7 +129,8 @@ def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray]) -> dict
     ids = np.asarray(host_ids[name])
     if ids.shape != (plan.batch_size, f.bag):
       raise ValueError(f"feature {name!r}: ids of shape {ids.shape}, expected "
-                       f"({plan.batch_size}, {f.bag}) (global batch, bag)")
+                       f"({plan.batch_size}, {f.bag}) (the plan's global batch, bag; "
+                       f"another batch size needs its own plan, see docs/embedding.md)")
     t = plan.tables[f.table]
     out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
   return out

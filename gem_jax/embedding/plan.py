@@ -31,7 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gem_jax.embedding import layout
-from gem_jax.embedding.config import FeatureConfig, SparseOptimizerConfig, TableConfig
+from gem_jax.embedding.config import (FeatureConfig, SparseOptimizerConfig, TableConfig,
+                                      expected_collision_rate)
 
 BATCH = ("replica", "shard")
 REPLICATE_MAX_BYTES = 1 << 18   # 'auto': tables up to 256 KiB (with slots) are replicated
@@ -149,6 +150,11 @@ class EmbeddingPlan:
     """Batch split over ('replica', 'shard'): one NamedSharding per feature."""
     return {f: self._ns(P(BATCH, None)) for f in self.features}
 
+  def batch_sharding(self) -> NamedSharding:
+    """`P(('replica', 'shard'))`: dim 0 (the global batch) split over every device, the
+    rest replicated; for dense inputs, labels and weights of any rank."""
+    return self._ns(P(BATCH))
+
   def canonical_shardings(self) -> dict:
     """Shardings of `export_state`'s unpadded arrays (row-split where rows divide evenly)."""
     out = {}
@@ -255,8 +261,45 @@ class EmbeddingPlan:
         load += n / S
     return load
 
+  def table_placement(self, table: str) -> str:
+    """Where `table` lives in its buffer, e.g. 'rows 100:150 (shard 1)' (global rows)."""
+    buf = self.buffers[self.buffer_of[table]]
+    if buf.kind == "table_wise":
+      i = buf.tables.index(table)
+      lo = buf.owners[i] * buf.local_rows + buf.offsets[i]
+      return f"rows {lo}:{lo + self.tables[table].rows} (shard {buf.owners[i]})"
+    if buf.kind == "row_wise":
+      return f"rows 0:{self.tables[table].rows}, {buf.local_rows} per shard"
+    if buf.kind == "column_wise":
+      return f"cols 0:{buf.dim}, {buf.local_dim} per shard"
+    return "whole, on every device"
+
+  def describe_tables(self) -> list[str]:
+    """One line per table: size, sharding, its state buffer (`state[buffer]`) and
+    place in it, replica sync, id policy, expected share of merged ids.
+
+    merged = `config.expected_collision_rate(rows, vocab, id_policy)`: 1 - E[rows
+    hit] / vocab, with E[rows hit] = rows (1 - (1 - 1/rows)^vocab) for 'hash';
+    '?' when the table's `vocab` is unknown.
+    """
+    head = ("table", "rows x dim", "sharding", "buffer", "place in buffer", "sync",
+            "id_policy", "merged ids")
+    rows = []
+    for t, c in self.tables.items():
+      rate = expected_collision_rate(c.rows, c.vocab, c.id_policy)
+      merged = ("? (vocab unknown)" if rate is None else f"{100 * rate:.1f} %"
+                + (f" of {c.vocab}" if c.vocab is not None and c.id_policy != "error" else ""))
+      buf = self.buffers[self.buffer_of[t]]
+      rows.append((t, f"{c.rows}x{c.dim}", self.sharding[t], buf.name, self.table_placement(t),
+                   buf.sync, c.id_policy, merged))
+    width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  " + " | ".join(x.ljust(w) for x, w in zip(r, width)).rstrip()  # noqa: E731
+    return ["tables (state and checkpoints key weights by buffer; export_state by table):",
+            fmt(head), *map(fmt, rows)]
+
   def describe(self) -> str:
-    """A text table: device | shards held | bytes | lookups/step | exchange bytes/step."""
+    """Text: the per-table lines of `describe_tables` (table -> state buffer, expected
+    merged ids), then device | bytes | lookups/step | exchange bytes/step | shards held."""
     S, R = self.num_shards, self.num_replicas
     held = [[] for _ in range(S)]
     for name, buf in self.buffers.items():
@@ -293,9 +336,7 @@ class EmbeddingPlan:
     exch = sum(self.exchange_bytes().values())
     lines = [f"embedding plan: mesh replica={R} x shard={S}, global batch {self.batch_size}, "
              f"optimizer {self.optimizer.kind}",
-             "tables: " + ", ".join(
-                 f"{t}({c.rows}x{c.dim} {self.sharding[t]}, "
-                 f"sync {self.buffers[self.buffer_of[t]].sync})" for t, c in self.tables.items()),
+             *self.describe_tables(),
              f"{'device':>8} | {'bytes':>14} | {'lookups/step':>12} | {'exchange B/step':>15} | shards held"]
     for j in range(S):
       for r in range(R):
@@ -306,6 +347,16 @@ class EmbeddingPlan:
 
 
 # ---- planning --------------------------------------------------------------------------
+def check_mesh(mesh: Mesh) -> None:
+  """Raises ValueError unless `mesh` has exactly the axes ('replica', 'shard')."""
+  names = tuple(getattr(mesh, "axis_names", ()))
+  if names != BATCH:
+    raise ValueError(
+        f"the embedding engine needs a Mesh with axis_names ('replica', 'shard') (tables split "
+        f"over 'shard', copied over 'replica'), got {names}: build it as Mesh(devices.reshape("
+        f"R, S), ('replica', 'shard')) or gem_jax.parallel.mesh.make_mesh((R, S))")
+
+
 def _table_bytes(t: TableConfig, opt: SparseOptimizerConfig) -> int:
   return t.rows * (t.dim * jnp.dtype(t.dtype).itemsize + opt.slot_bytes_per_row(t.dim))
 
@@ -352,6 +403,14 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                     dedup_min_bytes: int = DEDUP_MIN_BYTES) -> EmbeddingPlan:
   """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
 
+  `mesh`: any `jax.sharding.Mesh` whose axis_names are ('replica', 'shard'), in that
+  order (e.g. `Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('replica', 'shard'))`).
+  `batch_size` is the global batch (all devices together); the plan accepts only
+  that batch: plan again for another one (the same state fits both plans, see
+  docs/embedding.md). `memory_budget_bytes`: weights + slots allowed per device;
+  None (default) = no limit (then every 'auto' table above `replicate_max_bytes`
+  becomes table-wise).
+
   'auto' tables become 'replicated' when tiny (<= replicate_max_bytes with slots),
   'table_wise' when they fit one device's remaining budget, else 'row_wise'.
   Table-wise tables are balanced over shards by cost = bytes share + lookups share.
@@ -362,8 +421,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   Raises:
     ValueError naming the table, its size and the budget when it does not fit;
     ValueError for unknown tables, duplicate names or an indivisible batch.
+    ValueError when `mesh` does not have the axes ('replica', 'shard') (`check_mesh`).
   """
   opt = optimizer or SparseOptimizerConfig()
+  check_mesh(mesh)
   R, S = mesh.shape["replica"], mesh.shape["shard"]
   tables = {t.name: t for t in tables}
   features = {f.name: f for f in features}

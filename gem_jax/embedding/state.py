@@ -105,7 +105,15 @@ def init_embedding_state(plan: EmbeddingPlan, key) -> dict:
 
 
 def export_state(plan: EmbeddingPlan, state) -> dict:
-  """{table: {'weight': (rows, dim), <slot>: ...}}: unpadded, sharded global arrays."""
+  """{table: {'weight': (rows, dim), <slot>: ...}}: unpadded, sharded global arrays.
+
+  The live `state` is keyed by *buffer*, not by table: table-wise tables of one
+  (dim, dtype) share a packed buffer named `tw_d{dim}_{dtype}` (e.g.
+  `tw_d16_float32`), every other table is the buffer of its own name.
+  `plan.buffer_of[table]` gives the buffer, `plan.table_placement(table)` the
+  rows it occupies, and `plan.describe()` prints both for every table. Read
+  weights through this function, not from `state[...]` (padding, packing).
+  """
   fn = plan.cached_jit("export", lambda: jax.jit(
       lambda s: _unlayout(plan, s), out_shardings=plan.canonical_shardings()))
   return fn(state)

@@ -286,6 +286,15 @@ class CrossAttention(_Heads):
 
   Call: (q (B, Q, D), kv (B, L, D), kv_valid bool (B, L), kv_dt (B, L) or None)
   -> (B, Q, D). A row with no valid key gives W_o 0 + bias.
+
+  Args:
+    d_model: width D of queries, keys and output.  num_heads: H (D % H == 0).
+    rngs: `nnx.Rngs`.
+    score: 'softmax' (default) or the other scores of `attention_weights`.
+    qk_norm: RMS-normalize q and k per head (default True).
+    time_buckets: size of the learned time-bias table over age buckets (0, default: none).
+    dtype, param_dtype: compute / parameter dtypes (default float32).
+    fp8: fp8 projections (default False).
   """
 
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, score: str = "softmax",
@@ -322,6 +331,12 @@ class PMA(nnx.Module):
   in the compute dtype. FLOPs: `pma_flops` = 4 L D^2 + 4 k L D + 4 k D^2.
 
   Call: (x (B, L, D), valid bool (B, L)) -> (B, k, D).
+
+  Args:
+    d_model: width D.  num_seeds: k learned seeds (output tokens).
+    num_heads: heads of the cross attention.  rngs: `nnx.Rngs`.
+    score, qk_norm: as in `CrossAttention` (defaults 'softmax', True).
+    dtype, param_dtype: compute / parameter dtypes (default float32).  fp8: default False.
   """
 
   def __init__(self, d_model: int, num_seeds: int, num_heads: int, *, rngs: nnx.Rngs,

@@ -67,6 +67,11 @@ class Gating(nnx.Module):
 
   Per token: x (B, n, D) -> (B, n, D). FLOPs 4 n D h (h = hidden, default D).
   The sigmoid gate is computed in fp32; output in `dtype`.
+
+  Args:
+    d_model: width D.  rngs: `nnx.Rngs`.
+    hidden: MLP hidden width h (default None: D).
+    dtype, param_dtype: compute / parameter dtypes (default float32).  fp8: default False.
   """
 
   def __init__(self, d_model: int, *, rngs: nnx.Rngs, hidden: int | None = None,

@@ -56,7 +56,13 @@ class LayerNorm(nnx.Module):
   """y = (x - mean) / sqrt(var + eps) * scale + bias over the last `axes` dims.
 
   Statistics in fp32; output in `dtype`. `shape` is the normalized shape (the
-  trailing dims of x), `logical_axes` its logical names.
+  trailing dims of x), `logical_axes` its logical names.   (..., *shape) -> same
+
+  Args:
+    shape: normalized trailing shape, an int D or a tuple.  rngs: `nnx.Rngs`.
+    eps: default 1e-5.  dtype, param_dtype: output / parameter dtypes (default float32).
+    logical_axes: logical axis names of scale / bias (default 'embed' per dim).
+    use_bias: learn a bias (default True).
   """
 
   def __init__(self, shape: int | Sequence[int], *, rngs: nnx.Rngs, eps: float = 1e-5,

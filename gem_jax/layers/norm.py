@@ -23,6 +23,11 @@ class RMSNorm(nnx.Module):
 
   x: (..., D) -> (..., D) in `dtype`; scale (D,) initialized to ones.
   Used for QK-norm (D = head dim) and available as a cheap pre-norm.
+
+  Args:
+    dim: normalized width D.  rngs: `nnx.Rngs`.  eps: default 1e-6.
+    dtype: output dtype (default float32; statistics in fp32).
+    param_dtype: scale dtype (default float32).
   """
 
   def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6,
@@ -41,6 +46,11 @@ class LayerNorm(nnx.Module):
   """y = (x - mean) / sqrt(var + eps) * scale + bias over the last axis.
 
   x: (..., D) -> (..., D) in `dtype`; scale (D,) ones, bias (D,) zeros.
+
+  Args:
+    dim: normalized width D.  rngs: `nnx.Rngs`.  eps: default 1e-6.
+    dtype: output dtype (default float32; statistics in fp32).
+    param_dtype: scale / bias dtype (default float32).
   """
 
   def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6,

@@ -41,7 +41,12 @@ REDUCTIONS = ("recent", "pma")
 
 
 class FeedForward(nnx.Module):
-  """y = W_2 gelu(W_1 x + b_1) + b_2,  (..., D) -> (..., D); FLOPs 4 e D^2 per token."""
+  """y = W_2 gelu(W_1 x + b_1) + b_2,  (..., D) -> (..., D); FLOPs 4 e D^2 per token.
+
+  Args:
+    d_model: width D.  ffn_mult: e, hidden width e D.  rngs: `nnx.Rngs`.
+    dtype, param_dtype: compute / parameter dtypes (default float32).  fp8: default False.
+  """
 
   def __init__(self, d_model: int, ffn_mult: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
                param_dtype: Dtype = jnp.float32, fp8: bool = False):
@@ -112,6 +117,16 @@ class PyramidBranch(nnx.Module):
   """One event stream's branch of `PyramidStack` (see the module docstring).
 
   Call: (x (B, L, D), valid bool (B, L), dt (B, L) or None) -> (B, num_summary, D).
+
+  Args:
+    d_model, num_heads: width D and attention heads.
+    stage_lengths: tokens kept after each stage, non-increasing, e.g. (64, 16).
+    reduce: 'recent' (default: keep the most recent tokens) or 'pma' (pool onto seeds).
+    num_summary: output tokens (default 4).  rngs: `nnx.Rngs`.
+    blocks_per_stage: `SequenceBlock`s per stage (default 1).  ffn_mult: default 4.
+    pma_heads: heads of the PMA reductions (default None: num_heads).
+    dtype, param_dtype: default float32.  fp8: default False.
+    **block_kw: passed to every `SequenceBlock` (score, mask, rope, ...).
   """
 
   def __init__(self, d_model: int, num_heads: int, stage_lengths: Sequence[int],

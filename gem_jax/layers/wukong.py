@@ -38,6 +38,12 @@ class FM(nnx.Module):
 
   Equals (X X^T) Y, the n x n dot-product interactions compressed to rank k,
   in 4 n d k FLOPs instead of 2 n^2 d + 2 n^2 k.
+
+  Args:
+    n: input tokens (Y is (n, k)).
+    k: rank of the compressed interactions (output width).
+    rngs: `nnx.Rngs` for Y's init, N(0, 1/n).
+    dtype: compute dtype (default float32).  param_dtype: Y's dtype (default float32).
   """
 
   def __init__(self, n: int, k: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
@@ -59,6 +65,8 @@ class FMB(nnx.Module):
   Args:
     n, d: input tokens and width.  k: FM rank.  n_f: output tokens.
     mlp_hidden: hidden widths of the MLP (ReLU); its last layer is linear, n_F * d wide.
+    rngs: `nnx.Rngs`.  dtype, param_dtype: compute / parameter dtypes (default float32).
+    fp8: fp8 matmuls in the MLP (default False).
   """
 
   def __init__(self, n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int], *,
@@ -78,7 +86,13 @@ class FMB(nnx.Module):
 
 
 class LCB(nnx.Module):
-  """Linear compress block: W_L X.   (B, n, d) -> (B, n_L, d), W_L (n_L, n)."""
+  """Linear compress block: W_L X.   (B, n, d) -> (B, n_L, d), W_L (n_L, n).
+
+  Args:
+    n: input tokens.  n_l: output tokens.
+    rngs: `nnx.Rngs` (W_L ~ N(0, 1/n)).
+    dtype, param_dtype: compute / parameter dtypes (default float32).
+  """
 
   def __init__(self, n: int, n_l: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
                param_dtype: Dtype = jnp.float32):
@@ -96,10 +110,15 @@ class WukongLayer(nnx.Module):
   LayerNorm is per token over d.
 
   Args:
-    n, d: input tokens and width.  n_f, n_l, k: FMB/LCB outputs and FM rank.
-    mlp_hidden: FMB MLP hidden widths.
-    dtype, param_dtype, fp8: precision (fp8 applies to the FMB MLP's large matmuls).
-    remat: activation checkpointing of the layer (None, 'full', 'dots').
+    n, d: input tokens and width of X, (B, n, d).
+    n_f, n_l: tokens out of the FMB and the LCB (keyword-only); the layer outputs
+      `n_out = n_f + n_l` tokens (attribute `n_out`).
+    k: FM rank.
+    mlp_hidden: FMB MLP hidden widths, e.g. (256,).
+    rngs: `nnx.Rngs`.
+    dtype, param_dtype: compute / parameter dtypes (default float32).
+    fp8: fp8 for the FMB MLP's large matmuls (default False).
+    remat: activation checkpointing of the layer: None (default), 'full', 'dots'.
   """
 
   def __init__(self, n: int, d: int, *, n_f: int, n_l: int, k: int,
@@ -137,6 +156,11 @@ class CrossLayerAttention(nnx.Module):
   mixes l + 1 sources. q_l starts at 0 and c_l favours the newest source
   (weight 1/2, the rest share 1/2).
   Call: (sources list of (B, n, d), l) -> (B, n, d).
+
+  Args:
+    num_points: mixing points (layers after the first: num_layers - 1).
+    d: token width.  rngs: `nnx.Rngs`.
+    dtype, param_dtype: output / parameter dtypes (default float32).
   """
 
   def __init__(self, num_points: int, d: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
@@ -161,13 +185,27 @@ class CrossLayerAttention(nnx.Module):
 class WukongStack(nnx.Module):
   """l Wukong layers, optionally linked by cross-layer attention (module docstring).
 
-  (B, n, d) -> (B, n_F + n_L, d)
+  (B, n, d) -> (B, n_out, d),  n_out = n_f + n_l  (attribute `stack.n_out`: size the
+  next layer from it, e.g. a head on the flattened (B, n_out * d)).
+
+  Example: `WukongStack(8, 16, num_layers=2, n_f=4, n_l=4, k=4, mlp_hidden=(32,),
+  rngs=nnx.Rngs(0))` maps (B, 8, 16) -> (B, 8, 16).
 
   Args:
-    n, d: input tokens and width.
-    num_layers, n_f, n_l, k, mlp_hidden: Wukong knobs (same for every layer).
-    cross_layer: use cross-layer attention; False gives the plain published stack.
-    dtype, param_dtype, fp8, remat: precision and checkpointing, passed to each layer.
+    n: input tokens (required).
+    d: token width, kept by every layer (required).
+    num_layers: Wukong layers l (keyword-only, required).
+    n_f: tokens out of each layer's FMB (keyword-only, required).
+    n_l: tokens out of each layer's LCB (keyword-only, required).
+    k: FM rank (keyword-only, required).
+    mlp_hidden: FMB MLP hidden widths, e.g. (256,) (keyword-only, required).
+    cross_layer: cross-layer attention between layers (default True); False gives
+      the plain published stack.
+    rngs: `nnx.Rngs` (keyword-only, required).
+    dtype: compute dtype (default float32; bfloat16 for mixed precision).
+    param_dtype: parameter dtype (default float32).
+    fp8: fp8 for the FMB MLPs' large matmuls (default False).
+    remat: activation checkpointing per layer: None (default), 'full', 'dots'.
   """
 
   def __init__(self, n: int, d: int, *, num_layers: int, n_f: int, n_l: int, k: int,

@@ -94,7 +94,8 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
     table = shared.get(f.name, f.name)
     if table == f.name:
       tables.append(emb_lib.TableConfig(f.name, rows=f.vocab, dim=emb_cfg.dim,
-                                        sharding=emb_cfg.sharding, id_policy=emb_cfg.id_policy))
+                                        sharding=emb_cfg.sharding, id_policy=emb_cfg.id_policy,
+                                        vocab=f.vocab))
     if f.name in seq_len:
       features.append(emb_lib.FeatureConfig(f.name, table, bag=seq_len[f.name], pooling="none"))
     else:
@@ -177,18 +178,22 @@ def xla_flops_per_example(compiled, batch_size: int) -> float | None:
 
 # ------------------------------------------------------------------ helpers --
 
-def _host_batch(plan, batch: dict) -> dict:
-  """Host-side preparation: ids through the tables' id policy (-> int32 in range)."""
+def _host_batch(plan, batch: dict, collisions: report.IdCollisions | None = None) -> dict:
+  """Host-side preparation: ids through the tables' id policy (-> int32 in range);
+  with `collisions`, the batch's per-table id collisions are counted into it."""
   batch = dict(batch)
-  batch["ids"] = dist.prepare_local_ids(plan, batch["ids"])  # this process's rows
+  raw = batch["ids"]
+  batch["ids"] = dist.prepare_local_ids(plan, raw)  # this process's rows
+  if collisions is not None:
+    collisions.add(emb_lib.table_collisions(plan, raw, batch["ids"]))
   return batch
 
 
-def _device_putter(plan, mesh):
+def _device_putter(plan, mesh, collisions: report.IdCollisions | None = None):
   ids_sh = plan.ids_shardings()
 
   def put(batch):
-    batch = _host_batch(plan, batch)
+    batch = _host_batch(plan, batch, collisions)
     return pipeline.global_batch(batch, shd.batch_shardings(batch, mesh, ids_sh))
   return put
 
@@ -332,7 +337,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   pc, pi = jax.process_count(), jax.process_index()
   train_it = s.train_src.batches(batch_size, process_index=pi, process_count=pc,
                                  seed=config.seed, repeat=True, state=data_state)
-  batches = pipeline.Prefetcher(train_it, put_fn=_device_putter(s.plan, s.mesh), size=2)
+  hashed = any(t.id_policy != "error" for t in s.plan.tables.values())
+  collisions = (report.IdCollisions()
+                if hashed and config.train.get("id_collision_metrics", True) else None)
+  batches = pipeline.Prefetcher(train_it, put_fn=_device_putter(s.plan, s.mesh, collisions),
+                                size=2)
   batch = next(batches)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
   train_fn, timing = report.timed_compile(
@@ -369,6 +378,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         state, metrics = train_fn(state, batch)
       step += 1
       n_log += 1
+      if collisions is not None:
+        collisions.consume()
       if nf_policy.check(step, metrics):  # train.nonfinite='rollback'
         state = nonfinite.rolled_back(state, restore_or_init(s, ckpt, config.seed)[0])
       watchdog.beat(step)
@@ -381,6 +392,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           raise FloatingPointError(f"train_loss became {host['train_loss']} at step {step}")
         host.update(report.throughput(n_log * batch_size, time.perf_counter() - t_log,
                                       n_log, flops, jax.device_count(), peak))
+        host.update(collisions.metrics() if collisions is not None else {})
         writer.write(step, host)
         progress.update(step, host)
         last, running, n_log = host, None, 0

@@ -11,9 +11,12 @@
 - `Profiler`: a `jax.profiler` trace of chosen steps written into the workdir
   (TensorBoard/XProf and Perfetto); `step_annotation` names each step so the
   same run also reads under Nsight Systems.
+- `IdCollisions`: per table, the share of distinct raw ids of the trained batches
+  that the id policy merged onto a row shared with another id.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -290,6 +293,40 @@ def throughput(examples: int, seconds: float, steps: int, flops_per_example: flo
       "tflops_per_device": fpe * eps / n_devices / 1e12,
       "mfu": mfu(flops_per_example or 0.0, eps, n_devices, peak_flops),
   }
+
+
+class IdCollisions:
+  """Id-policy collisions of the batches trained since the last `metrics()` call.
+
+  `add({table: (ids, rows)})` per prepared batch (the prefetch thread, from
+  `embedding.table_collisions`: distinct raw ids, distinct rows they land on),
+  `consume()` once per trained batch (in order: the prefetcher runs ahead), then
+  `metrics()`: id_merged/<table> = 1 - sum rows / sum ids over those batches, and
+  id_merged over all tables pooled. Counts are per batch (per process's slice).
+  """
+
+  def __init__(self):
+    self._pending = collections.deque()   # thread-safe append / popleft
+    self._sum: dict[str, list[int]] = {}
+
+  def add(self, counts: Mapping[str, tuple[int, int]]) -> None:
+    self._pending.append(dict(counts))
+
+  def consume(self) -> None:
+    if not self._pending:
+      return
+    for t, (ids, rows) in self._pending.popleft().items():
+      acc = self._sum.setdefault(t, [0, 0])
+      acc[0] += ids
+      acc[1] += rows
+
+  def metrics(self) -> dict[str, float]:
+    out = {f"id_merged/{t}": 1.0 - r / i for t, (i, r) in self._sum.items() if i}
+    ids, rows = sum(v[0] for v in self._sum.values()), sum(v[1] for v in self._sum.values())
+    if ids:
+      out["id_merged"] = 1.0 - rows / ids
+    self._sum = {}
+    return out
 
 
 # ----------------------------------------------------------- compilation time --
