@@ -1,80 +1,94 @@
-"""Avazu reader on the shared sample: header handling, counts, domains, parsed values."""
-import csv
+"""Avazu reader: exact values on synthetic CSV, counts on the real sample.
+
+The synthetic files and their truth come from tests/data_fixtures.py.
+"""
 import datetime
 import json
 import os
 
 import numpy as np
 import pytest
+from data_fixtures import check_bad_rows, synth_data, valid_leaves  # noqa: F401
 
 from gem_jax.data import pipeline
-from gem_jax.data.avazu import AvazuSource, avazu_spec
+from gem_jax.data.avazu import COLUMNS, HEX_COLUMNS, ID_COLUMNS, AvazuSource, avazu_spec
 from gem_jax.data.spec import validate_batch
 
 
-def read_csv(path):
-  with open(path, newline="") as f:
-    rows = list(csv.reader(f))
-  return rows[1:] if rows[0][0] == "id" else rows
-
-
 @pytest.fixture(scope="module")
-def paths(real_data_dir):
-  return {s: os.path.join(real_data_dir, f"avazu_9k_{s}.csv") for s in ("train", "dev")}
+def fx(synth_data):  # noqa: F811
+  return synth_data.avazu
 
 
-@pytest.fixture(scope="module")
-def train_pass(paths):
-  return list(AvazuSource(paths["train"]).batches(1024, repeat=False))
+def zigzag(v):
+  return 2 * v if v >= 0 else -2 * v - 1
 
 
-def valid(batches, get):
-  return np.concatenate([get(b)[b["label_mask"][:, 0] > 0] for b in batches])
-
-
-def test_counts_and_domains_match_file(train_pass, paths):
-  rows = read_csv(paths["train"])
-  assert sum(int(b["label_mask"].sum()) for b in train_pass) == len(rows)
-  labels = valid(train_pass, lambda b: b["labels"][:, 0])
-  domain = valid(train_pass, lambda b: b["domain"])
-  want_app = np.array([r[5] == "85f751fd" for r in rows])
-  want_click = np.array([r[1] == "1" for r in rows])
-  assert labels.sum() == want_click.sum()
-  np.testing.assert_array_equal(domain, want_app.astype(np.int32))
-  assert labels[domain == 1].sum() == want_click[want_app].sum()
-
-
-def test_headerless_dev_split(paths):
-  bs = list(AvazuSource(paths["dev"]).batches(100, repeat=False))
-  rows = read_csv(paths["dev"])
-  assert sum(int(b["label_mask"].sum()) for b in bs) == len(rows)
-  np.testing.assert_array_equal(bs[0]["ids"]["device_ip"][:, 0],
-                                [int(r[12], 16) for r in rows[:100]])
-
-
-def test_parsed_values(train_pass, paths):
-  rows = read_csv(paths["train"])[:1024]
-  b = train_pass[0]
-  validate_batch(avazu_spec(), b, "avazu")
-  hod = [int(r[2][6:8]) for r in rows]
+def assert_rows(got, rows):
+  """Every leaf of the valid rows against the rows as written (lists of 24 strings)."""
+  np.testing.assert_array_equal(got["/labels"][:, 0], [int(r[1]) for r in rows])
+  np.testing.assert_array_equal(got["/domain"], [int(r[5] == "85f751fd") for r in rows])
+  hod = np.array([int(r[2][6:]) for r in rows])
   dow = [datetime.date(2000 + int(r[2][:2]), int(r[2][2:4]), int(r[2][4:6])).weekday()
          for r in rows]
-  np.testing.assert_array_equal(b["ids"]["hour_of_day"][:, 0], hod)
-  np.testing.assert_array_equal(b["ids"]["day_of_week"][:, 0], dow)
-  np.testing.assert_allclose(b["dense"][:, 1], np.cos(2 * np.pi * np.array(hod) / 24), atol=1e-7)
-  np.testing.assert_array_equal(b["ids"]["site_id"][:, 0], [int(r[5], 16) for r in rows])
-  zz = lambda v: 2 * v if v >= 0 else -2 * v - 1
-  np.testing.assert_array_equal(b["ids"]["C20"][:, 0], [zz(int(r[22])) for r in rows])
-  assert (b["ids"]["C20"][:, 0] == 1).any()            # C20 == -1 occurs and maps to 1
+  np.testing.assert_array_equal(got["/ids/hour_of_day"][:, 0], hod)
+  np.testing.assert_array_equal(got["/ids/day_of_week"][:, 0], dow)
+  np.testing.assert_allclose(got["/dense"], np.stack([np.sin(2 * np.pi * hod / 24),
+                                                      np.cos(2 * np.pi * hod / 24)], -1),
+                             atol=1e-7)
+  for c in ID_COLUMNS:
+    j = COLUMNS.index(c)
+    w = [int(r[j], 16) if c in HEX_COLUMNS else zigzag(int(r[j])) for r in rows]
+    np.testing.assert_array_equal(got[f"/ids/{c}"][:, 0], w, err_msg=c)
 
 
-def test_order_and_resume(paths):
-  src = AvazuSource(paths["train"], shuffle_buffer=2048)
+def test_train_with_header(fx):
+  bs = list(AvazuSource(fx["train"]).batches(512, repeat=False))
+  assert len(bs) == 3 and int(bs[-1]["label_mask"].sum()) == 1200 - 1024
+  got = valid_leaves(bs)
+  assert_rows(got, fx["train_rows"])
+  assert len(set(got["/ids/day_of_week"][:, 0].tolist())) == 7
+  assert len(set(got["/ids/hour_of_day"][:, 0].tolist())) == 24
+  assert 1 in got["/ids/C20"][:, 0] and 0 < got["/domain"].mean() < 1   # C20 -1 -> 1; both domains
+  for b in bs:
+    validate_batch(avazu_spec(), b, "avazu")
+
+
+def test_headerless_dev_split(fx):
+  it = AvazuSource(fx["dev"]).batches(100, repeat=False)
+  assert_rows(valid_leaves(it), fx["dev_rows"])
+  assert it.state()["bad_rows"]["rows"] == 300
+
+
+def test_bad_rows_exact(fx):
+  bad = fx["bad"]
+  it = AvazuSource(bad.path, bad_row_limit=0.1).batches(64, repeat=False)
+  assert_rows(valid_leaves(it), bad.rows)
+  check_bad_rows(it, bad)
+
+
+def test_order_and_resume(fx):
+  src = AvazuSource(fx["train"], shuffle_buffer=400)
   get = lambda bs: np.concatenate([b["ids"]["device_ip"][:, 0] for b in bs])
-  ref = get(pipeline.take(src.batches(512, seed=3), 20))
-  np.testing.assert_array_equal(get(pipeline.take(src.batches(512, seed=3), 20)), ref)
-  it = src.batches(512, seed=3)
-  head = get(pipeline.take(it, 7))
+  ref = get(pipeline.take(src.batches(256, seed=3), 8))
+  np.testing.assert_array_equal(get(pipeline.take(src.batches(256, seed=3), 8)), ref)
+  ips = [int(r[12], 16) for r in fx["train_rows"]]
+  assert sorted(ref[:1200].tolist()) == sorted(ips) and ref[:1200].tolist() != ips
+  it = src.batches(256, seed=3)
+  head = get(pipeline.take(it, 3))
   state = json.loads(json.dumps(it.state()))
-  tail = get(pipeline.take(src.batches(512, seed=3, state=state), 13))
+  tail = get(pipeline.take(src.batches(256, seed=3, state=state), 5))   # crosses the epoch end
   np.testing.assert_array_equal(np.concatenate([head, tail]), ref)
+
+
+# -- the real Kaggle sample: what only it can show ----------------------------------------
+@pytest.mark.parametrize("split,rows,clicks", [("train", 8087, 1397), ("dev", 480, 86)])
+def test_real_sample_counts_and_no_bad_rows(real_data_dir, split, rows, clicks):
+  it = AvazuSource(os.path.join(real_data_dir, f"avazu_9k_{split}.csv")).batches(1024,
+                                                                                repeat=False)
+  got = valid_leaves(it)
+  assert it.state()["bad_rows"] == {"rows": rows, "bad": 0, "reports": []}
+  assert len(got["/labels"]) == rows and int(got["/labels"].sum()) == clicks
+  assert set(got["/ids/hour_of_day"][:, 0].tolist()) == {0}    # one hour: 14102100
+  assert set(got["/ids/day_of_week"][:, 0].tolist()) == {1}    # 2014-10-21, a Tuesday
+  assert 0 < got["/domain"].mean() < 1

@@ -1,17 +1,17 @@
 """Fuzzed inputs for every reader: bad rows are counted, reported and skipped, never a wrong value.
 
-Each case takes the head of a shared file, damages some lines (truncated,
-garbage bytes, an extra field, a missing field, a line of random bytes) and
-checks that the valid rows read from the damaged file equal, leaf by leaf, the
-rows read from the same file with those lines deleted; that the bad rows are
-counted and reported as `file:line: reason`; and that the 1% limit stops the run.
+Each case takes the head of a synthetic file (tests/data_fixtures.py), damages
+some lines (truncated, garbage bytes, an extra field, a missing field, a line of
+random bytes) and checks that the valid rows read from the damaged file equal,
+leaf by leaf, the rows read from the same file with those lines deleted; that
+the bad rows are counted and reported as `file:line: reason`; and that the 1%
+limit stops the run. The exact reasons per reader are in test_data_<reader>.py.
 """
-import gzip
-import os
 import threading
 
 import numpy as np
 import pytest
+from data_fixtures import synth_data, valid_leaves as valid_rows  # noqa: F401
 
 from gem_jax.data.adult import AdultSource
 from gem_jax.data.alimama import AlimamaSource
@@ -20,13 +20,13 @@ from gem_jax.data.badrows import BadRowLimitError, NoDataError
 from gem_jax.data.criteo import CriteoSource
 from gem_jax.data.movielens import MovieLensSource
 
-READERS = {   # name: (factory, shared file, separator, header lines)
-    "criteo": (CriteoSource, "criteo_kaggle_8k_dev.tsv", b"\t", 0),
-    "avazu": (AvazuSource, "avazu_9k_train.csv", b",", 1),
-    "adult": (AdultSource, "uci_adult_test.csv", b",", 0),
-    "alimama": (AlimamaSource, "alimama_display_dmr_500.csv", b",", 0),
+READERS = {   # name: (factory, synthetic file (data_fixtures), separator, header lines)
+    "criteo": (CriteoSource, ("criteo", "dev"), b"\t", 0),
+    "avazu": (AvazuSource, ("avazu", "train"), b",", 1),
+    "adult": (AdultSource, ("adult", "train"), b",", 0),
+    "alimama": (AlimamaSource, ("alimama", "train"), b",", 0),
     "movielens": (lambda p, **kw: MovieLensSource(p, split="train", split_timestamp=2 ** 40, **kw),
-                  "movielens_latest_small_2016_ratings.csv", b",", 1),
+                  ("movielens", "ratings"), b",", 1),
 }
 HEADERS = {"avazu": b"id,click,hour,C1\n", "movielens": b"userId,movieId,rating,timestamp\n"}
 N_ROWS = 300
@@ -51,25 +51,6 @@ def corrupt(kind, line, sep, rng):
 KINDS = ("truncated", "garbage", "extra_field", "missing_field", "random_bytes")
 
 
-def flat(tree, prefix=""):
-  if isinstance(tree, dict):
-    out = {}
-    for k, v in tree.items():
-      out.update(flat(v, f"{prefix}/{k}"))
-    return out
-  return {prefix: tree}
-
-
-def valid_rows(batches):
-  """Every leaf's valid rows (label_mask of task 0), concatenated over batches."""
-  rows = {}
-  for b in batches:
-    m = b["label_mask"][:, 0] > 0
-    for k, v in flat(b).items():
-      rows.setdefault(k, []).append(np.asarray(v)[m])
-  return {k: np.concatenate(v) for k, v in rows.items()}
-
-
 def no_hang(fn, seconds=60):
   """Runs fn() in a thread; fails instead of hanging."""
   out = {}
@@ -90,10 +71,11 @@ def no_hang(fn, seconds=60):
 
 
 @pytest.fixture(params=sorted(READERS))
-def damaged(request, real_data_dir, tmp_path):
+def damaged(request, synth_data, tmp_path):  # noqa: F811
   """(factory, damaged path, clean path, damaged 1-based line numbers)."""
-  factory, name, sep, header = READERS[request.param]
-  with open(os.path.join(real_data_dir, name), "rb") as f:
+  factory, (fmt, key), sep, header = READERS[request.param]
+  name = f"{fmt}_{key}"
+  with open(getattr(synth_data, fmt)[key], "rb") as f:
     lines = [f.readline().rstrip(b"\r\n") for _ in range(N_ROWS + header)]
   rng = np.random.default_rng(0)
   bad_idx = sorted(rng.choice(np.arange(header + 1, len(lines)), 2 * len(KINDS), replace=False))
@@ -148,9 +130,9 @@ def test_missing_empty_and_header_only_files(name, tmp_path):
     no_hang(lambda: next(factory(str(tmp_path / "blank.csv")).batches(8, repeat=True)))
 
 
-def test_truncated_gzip_is_an_error(real_data_dir, tmp_path):
-  with open(os.path.join(real_data_dir, "criteo_kaggle_8k_dev.tsv"), "rb") as f:
-    data = gzip.compress(f.read())
+def test_truncated_gzip_is_an_error(synth_data, tmp_path):  # noqa: F811
+  with open(synth_data.criteo["dev_gz"], "rb") as f:
+    data = f.read()
   p = tmp_path / "cut.tsv.gz"
   p.write_bytes(data[:len(data) // 2])
   with pytest.raises(EOFError):

@@ -4,12 +4,16 @@ import os
 
 import numpy as np
 import pytest
+from data_fixtures import synth_data  # noqa: F401
 
 from gem_jax.data import registry
 from gem_jax.data.spec import validate_batch
 
 CONFIGS = ("criteo", "avazu", "movielens", "alimama", "adult")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+SYNTH = {   # config: the data_fixtures files for (train, eval)
+    "criteo": ("train", "dev"), "avazu": ("train", "dev"), "movielens": ("ratings", "ratings"),
+    "alimama": ("train", "train"), "adult": ("train", "test")}
 
 
 def load_config(name):
@@ -19,14 +23,7 @@ def load_config(name):
   return mod.get_config()
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_config_builds_sources(name, real_data_dir):
-  c = load_config(name)
-  assert c.data.kind == name and c.data.bad_row_limit == 0.01
-  for k in ("train", "eval"):                       # paths overridable, here to $GEM_JAX_DATA
-    c.data[k] = os.path.join(real_data_dir, os.path.basename(c.data[k]))
-  if name == "movielens":
-    c.data.movies = os.path.join(real_data_dir, os.path.basename(c.data.movies))
+def check_config(c, name):
   train, ev = registry.make_sources(c.data)
   assert train.shuffle_buffer == c.data.shuffle_buffer and ev.shuffle_buffer == 0
   b = next(train.batches(c.data.batch_size, seed=c.seed))
@@ -38,9 +35,30 @@ def test_config_builds_sources(name, real_data_dir):
     assert train.spec.feature(shared).vocab == train.spec.feature(f).vocab
 
 
-def test_path_override_and_missing_file(tmp_path):
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_builds_sources(name, synth_data):  # noqa: F811
+  c = load_config(name)
+  assert c.data.kind == name and c.data.bad_row_limit == 0.01
+  files = getattr(synth_data, name)
+  c.data.train, c.data.eval = (files[k] for k in SYNTH[name])      # paths overridable
+  if name == "movielens":
+    c.data.movies = files["movies"]
+  check_config(c, name)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_defaults_name_the_real_files(name, real_data_dir):
+  c = load_config(name)
+  for k in ("train", "eval"):                       # the default names, in $GEM_JAX_DATA
+    c.data[k] = os.path.join(real_data_dir, os.path.basename(c.data[k]))
+  if name == "movielens":
+    c.data.movies = os.path.join(real_data_dir, os.path.basename(c.data.movies))
+  check_config(c, name)
+
+
+def test_path_override_and_missing_file(tmp_path, synth_data):  # noqa: F811
   c = load_config("criteo")
-  c.data.eval = str(tmp_path / "missing.tsv")
+  c.data.train, c.data.eval = synth_data.criteo["train"], str(tmp_path / "missing.tsv")
   with pytest.raises(FileNotFoundError, match="missing.tsv"):
     registry.make_sources(c.data)
 
