@@ -1,12 +1,19 @@
 """The jitted train step: sharded == single-device, grad accumulation == full batch,
-state donated, metrics stay on device; eval_step fills the accumulators."""
+state donated, metrics stay on device; eval_step fills the accumulators (AUC equal to
+NumPy's on the same logits); a few steps learn a planted signal."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import make_mesh
+from gem_jax import embedding as emb_lib
+from gem_jax.data.synthetic import rank_auc
 from gem_jax.embedding import export_state
+from gem_jax.parallel import sharding
 from gem_jax.train import evaluate, metrics
+from gem_jax.train.step import model_inputs
 from test_step_fixtures import Built, make_batch
 
 STEPS = 3
@@ -78,8 +85,75 @@ def test_eval_step_accumulates_masked_labels():
   np.testing.assert_allclose(acc["weight"].sum(axis=1), batch["label_mask"].sum(axis=0))
   np.testing.assert_allclose(acc["label"].sum(axis=1),
                              (batch["labels"] * batch["label_mask"]).sum(axis=0))
+  # The accumulators' AUC is the exact rank AUC of the logits rounded to their bins.
+  z = np.asarray(_logits(built, state, dev))
+  bins = np.asarray(metrics.score_bins(z, acc["hist"].shape[-1]))
   out = metrics.compute(acc, ("click", "conv"), 2)
-  assert 0.0 <= out["auc/click"] <= 1.0
+  for t, name in enumerate(("click", "conv")):
+    keep = batch["label_mask"][:, t] > 0
+    want = rank_auc(bins[keep, t], batch["labels"][keep, t])
+    assert out[f"auc/{name}"] == pytest.approx(want, abs=1e-6), name
+
+
+def _logits(built, state, batch):
+  """The eval step's forward, (B, T) logits."""
+  @jax.jit
+  def fwd(state, batch):
+    emb = emb_lib.lookup(built.plan, state.emb, batch["ids"], batch.get("weights"))
+    model = nnx.merge(built.cfg.graphdef, state.params, state.model_state)
+    with sharding.activation_sharding(built.plan.mesh):
+      return model(model_inputs(built.cfg.spec, batch, emb)).astype(jnp.float32)
+  return fwd(state, batch)
+
+
+def _planted_batch(seed):
+  """make_batch with labels from a planted rule: click = [x0 + s_ad > 0], conv = [x1 - s_ad > 0],
+  s_ad = +-1 a fixed sign per ad id (so both the dense and the embedding path matter)."""
+  b = make_batch(seed)
+  sign = np.where(np.random.default_rng(99).random(48) < 0.5, -1.0, 1.0)
+  s = sign[b["ids"]["ad"][:, 0]]
+  z = np.stack([b["dense"][:, 0] + s, b["dense"][:, 1] - s], 1)
+  b["labels"] = (z > 0).astype(np.float32)
+  b["label_mask"] = np.ones_like(b["labels"])
+  return b
+
+
+def test_steps_learn_a_planted_signal():
+  # Two passes over 20 batches of 16 rows (the fixture's schedule: lr 1e-2, 2 warm-up steps,
+  # cosine to 0.1x over 20 steps; embedding lr 0.1), eval on 8 held-out batches. Measured
+  # (click / conv AUC, init seeds 0, 1, 2): at init 0.37-0.41 / 0.42-0.59, after 40 steps
+  # 0.92-0.95 / 0.96-0.98; both learning rates 0 leave the init AUC.
+  built = Built(make_mesh(2, 2))
+  state = built.init()
+  train = [built.put(_planted_batch(100 + i)) for i in range(20)]
+  held_host = [_planted_batch(200 + i) for i in range(8)]
+  held = [built.put(b) for b in held_host]
+  sh = jax.tree.map(lambda x: x.sharding, train[0])
+  step = built.step_fn(train[0])
+  ev = evaluate.jit_eval_step(built.cfg, built.shardings, sh)
+
+  def auc(state):
+    return evaluate.run_evaluation(ev, state, held, ("click", "conv"), 2)
+
+  state, before = auc(state)
+  for b in train + train:
+    state, _ = step(state, b)
+  state, after = auc(state)
+  for name in ("click", "conv"):
+    assert after[f"eval_auc/{name}"] > 0.85, (name, before, after)
+    assert after[f"eval_auc/{name}"] > before[f"eval_auc/{name}"] + 0.2, (name, before, after)
+  # The trained logits spread over many bins: the streamed AUC is NumPy's exact rank AUC of
+  # the binned logits, and within the tie bound of the exact AUC of the raw logits.
+  z = np.concatenate([np.asarray(_logits(built, state, b)) for b in held])
+  y = np.concatenate([b["labels"] for b in held_host])
+  acc = jax.device_get(state.metrics)
+  bins = np.asarray(metrics.score_bins(z, acc["hist"].shape[-1]))
+  assert len(np.unique(bins)) > 10
+  for t, name in enumerate(("click", "conv")):
+    got = after[f"eval_auc/{name}"]
+    assert got == pytest.approx(rank_auc(bins[:, t], y[:, t]), abs=1e-6), name
+    hist = acc["hist"][t].sum(0)
+    assert abs(got - rank_auc(z[:, t], y[:, t])) <= metrics.auc_tie_bound(hist[0], hist[1]) + 1e-6
 
 
 def test_lr_schedule_warmup_then_cosine():
