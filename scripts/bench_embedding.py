@@ -70,7 +70,8 @@ def make_step(plan, frozen=None, freeze_by="drop"):
 def setup(rows: int, args, freeze_by: str = "drop") -> dict:
   """Plan, state, id batches and the compiled step of one size."""
   n_tables = args.tables
-  tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding)
+  tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding,
+                        id_policy="hash")          # raw Zipf ids are unbounded
             for i in range(n_tables)]
   feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
   mesh = make_mesh(tuple(args.mesh))
