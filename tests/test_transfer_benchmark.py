@@ -1,4 +1,6 @@
-"""Slow: the transfer benchmark script end to end (tiny budget), and the documented workflow
+"""Slow: the transfer benchmark script end to end (tiny budget: planted, and the Avazu sample
+when ../shared/data is there), the documented ordering student alone < distilled < Student
+Adapter on the planted data at a budget where it is real, and the documented workflow
 (train teacher -> generate_knowledge.py -> student training from its config)."""
 import json
 import os
@@ -8,6 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+VARIANTS = ("alone", "distill", "adapter", "repr", "share", "all")
 
 
 def _run(args, env_extra=None, timeout=900):
@@ -19,22 +22,56 @@ def _run(args, env_extra=None, timeout=900):
   return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
 
 
+def _tiny(workdir, dataset, *extra):
+  rows = _run(["scripts/transfer_benchmark.py", "--workdir", str(workdir), "--seeds", "0",
+               "--datasets", dataset, "--teacher_steps", "20", "--student_steps", "10",
+               "--student_train", "512", "--student_eval", "1024", "--avazu_teacher_steps",
+               "10", "--avazu_student_steps", "10", *extra])
+  variants = {r["variant"]: r for r in rows}
+  assert 0.0 < variants["teacher"]["teacher_auc_on_student_eval"] < 1.0
+  for v in VARIANTS:
+    r = variants[v]
+    assert 0.3 < r["eval_auc"] < 1.0 and r["eval_ne"] > 0, r
+    assert r["student_flops_per_example"] > 0
+  return variants
+
+
 @pytest.mark.slow
-def test_transfer_benchmark_tiny(tmp_path, real_data_dir):
-  rows = _run(["scripts/transfer_benchmark.py", "--workdir", str(tmp_path), "--seeds", "0",
-               "--teacher_steps", "20", "--student_steps", "10", "--student_train", "512",
-               "--student_eval", "1024", "--avazu_teacher_steps", "10",
-               "--avazu_student_steps", "10", "--data_dir", real_data_dir])
-  variants = {(r["dataset"], r["variant"]): r for r in rows}
-  for ds in ("planted", "avazu"):
-    assert 0.0 < variants[(ds, "teacher")]["teacher_auc_on_student_eval"] < 1.0
-    for v in ("alone", "distill", "adapter", "repr", "share", "all"):
-      r = variants[(ds, v)]
-      assert 0.3 < r["eval_auc"] < 1.0 and r["eval_ne"] > 0, r
-      assert r["student_flops_per_example"] > 0
+def test_transfer_benchmark_tiny_planted(tmp_path):
+  variants = _tiny(tmp_path, "planted")
   # Representation transfer adds the teacher-token projection (and only that) to the student.
-  assert variants[("planted", "repr")]["student_flops_per_example"] > \
-      variants[("planted", "alone")]["student_flops_per_example"]
+  assert variants["repr"]["student_flops_per_example"] > \
+      variants["alone"]["student_flops_per_example"]
+
+
+@pytest.mark.slow
+def test_transfer_benchmark_tiny_avazu(tmp_path, real_data_dir):
+  _tiny(tmp_path, "avazu", "--data_dir", real_data_dir)
+
+
+@pytest.mark.slow
+def test_transfer_ordering_on_planted_data(tmp_path):
+  """alone < distill < adapter for every student seed (data and teacher fixed).
+
+  Budget: teacher 300 steps x 256 rows, students 200 steps x 128 on the 2,048 fresh rows
+  (about 12 epochs: the student alone overfits, which the soft targets prevent), eval on
+  8,192 rows. Measured (seeds 0, 1, 2; about 2-7 min on 2 shared cores):
+    alone   0.6930 0.6877 0.6766  (mean 0.6858)
+    distill 0.7112 0.7118 0.7126  (mean 0.7118)  distill - alone   per seed >= 0.018
+    adapter 0.7406 0.7415 0.7389  (mean 0.7403)  adapter - distill per seed >= 0.026
+  The documented budget (teacher 600 steps, eval 16,384) gives the same ordering with per-seed
+  margins >= 0.019 and >= 0.028. At 100 student steps (teacher 300) the ordering still holds
+  but distill - alone shrinks to 0.003-0.011 (the student alone has not overfit yet), so
+  this budget is the cheap one where the margins below are real.
+  """
+  rows = _run(["scripts/transfer_benchmark.py", "--workdir", str(tmp_path), "--seeds", "0,1,2",
+               "--datasets", "planted", "--variants", "alone,distill,adapter",
+               "--teacher_steps", "300", "--student_steps", "200", "--student_train", "2048",
+               "--student_eval", "8192"], timeout=1800)
+  auc = {r["variant"]: [s["eval_auc"] for s in r["per_seed"]] for r in rows if "per_seed" in r}
+  for a, d, s in zip(auc["alone"], auc["distill"], auc["adapter"]):
+    assert d > a + 0.01, auc
+    assert s > d + 0.015, auc
 
 
 @pytest.mark.slow
