@@ -208,3 +208,62 @@ def test_prepare_ids_uses_each_tables_policy_and_checks_shapes():
     prepare_ids(plan, {"fe": np.array([[1, 2], [3, 4]]), "fc": np.zeros((2, 2), int)})
   with pytest.raises(KeyError, match="ids for feature 'fc' are missing"):
     prepare_ids(plan, {"fe": np.array([[1, 2], [3, 4]])})
+
+
+# ---- eval plan: the train placement at another batch size ---------------------------
+def test_with_batch_size_keeps_the_placement_and_reads_the_train_state(monkeypatch):
+  """`with_batch_size` is one placement with the batch as a separate input: it equals the
+  train plan's even where planning afresh for the other batch places differently (the
+  replica sync choice depends on the batch today; a batch-dependent owner assignment is
+  simulated), and its lookup on the train-layout state equals the NumPy reference."""
+  import jax
+  from gem_jax.embedding import export_state, init_embedding_state, lookup
+  from gem_jax.embedding import plan as plan_mod
+  tables = [TableConfig("small", 64, 8, sharding="row_wise"),
+            TableConfig("a", 40, 8, sharding="table_wise"),
+            TableConfig("b", 24, 8, sharding="table_wise")]
+  feats = [FeatureConfig("fs", "small", 2), FeatureConfig("fa", "a", 3),
+           FeatureConfig("fb", "b", 1), FeatureConfig("fa_seq", "a", 2, "none")]
+  mesh = make_mesh(4, 2)
+  train = plan_embeddings(tables, feats, mesh, 64)
+  ev = train.with_batch_size(8)
+  assert ev.batch_size == 8 and ev.local_batch == 1 and train.with_batch_size(64) is train
+  for field in ("tables", "features", "optimizer", "sharding", "buffers", "units", "buffer_of"):
+    assert getattr(ev, field) == getattr(train, field), field
+  assert ev.state_shardings() == train.state_shardings()
+  # Planning afresh for batch 8 picks another replica sync for 'small' ...
+  fresh = plan_embeddings(tables, feats, mesh, 8)
+  assert (train.buffers["small"].sync, fresh.buffers["small"].sync) == ("dense", "rows")
+  # ... and a planner whose table-wise owners depended on the batch would move tables.
+  real = layout.assign_table_wise
+  monkeypatch.setattr(plan_mod.layout, "assign_table_wise",
+                      lambda costs, s, **kw: [s - 1 - o for o in real(costs, s, **kw)])
+  moved = plan_embeddings(tables, feats, mesh, 8)
+  monkeypatch.undo()
+  tw = train.buffer_of["a"]
+  assert moved.buffers[tw].owners != train.buffers[tw].owners
+  assert ev.buffers[tw].owners == train.buffers[tw].owners
+  with pytest.raises(ValueError, match="not divisible"):
+    train.with_batch_size(12)
+
+  state = init_embedding_state(train, jax.random.key(0))
+  canon = {t: np.asarray(c["weight"]) for t, c in export_state(train, state).items()}
+  rng = np.random.default_rng(0)
+  host = {f.name: rng.integers(-1, tables[[t.name for t in tables].index(f.table)].rows,
+                               (8, f.bag)) for f in feats}
+
+  def run(plan):
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    return jax.tree.map(np.asarray, jax.jit(lambda s, i: lookup(plan, s, i))(state, ids))
+
+  want = {}
+  for f in feats:
+    x = host[f.name]
+    rows = np.where(x[..., None] >= 0, canon[f.table][np.maximum(x, 0)], 0.0)  # (8, bag, D)
+    want[f.name] = rows if f.pooling == "none" else rows.sum(1)
+  got = run(ev)
+  for f in want:
+    np.testing.assert_allclose(got[f], want[f], rtol=1e-6, atol=1e-6)
+  # The moved placement reads the train state wrongly: the check above can fail.
+  wrong = run(moved)
+  assert not all(np.allclose(wrong[f], want[f]) for f in want)

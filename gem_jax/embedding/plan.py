@@ -128,6 +128,22 @@ class EmbeddingPlan:
   def local_batch(self) -> int:
     return self.batch_size // (self.num_replicas * self.num_shards)
 
+  def with_batch_size(self, batch_size: int) -> "EmbeddingPlan":
+    """This plan for another global batch (e.g. eval): one placement, batch a separate input.
+
+    Tables, features, optimizer, sharding types, buffers (placement, offsets,
+    replica sync) and exchange units are this plan's, so the plan reads this
+    plan's state by construction; only `batch_size` and what derives from it
+    (`local_batch`, the per-step row shapes and byte counts) change.
+    """
+    batch_size = int(batch_size)
+    if batch_size == self.batch_size:
+      return self
+    R, S = self.num_replicas, self.num_shards
+    if batch_size <= 0 or batch_size % (R * S):
+      raise ValueError(f"global batch {batch_size} is not divisible by the {R}x{S} mesh")
+    return dataclasses.replace(self, batch_size=batch_size, _jit_cache={})
+
   # ---- shardings -----------------------------------------------------------------
   def _ns(self, spec: P) -> NamedSharding:
     return NamedSharding(self.mesh, spec)
@@ -406,8 +422,8 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   `mesh`: any `jax.sharding.Mesh` whose axis_names are ('replica', 'shard'), in that
   order (e.g. `Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('replica', 'shard'))`).
   `batch_size` is the global batch (all devices together); the plan accepts only
-  that batch: plan again for another one (the same state fits both plans, see
-  docs/embedding.md). `memory_budget_bytes`: weights + slots allowed per device;
+  that batch: `plan.with_batch_size(b)` is the same placement for another one
+  (it reads the same state, see docs/embedding.md). `memory_budget_bytes`: weights + slots allowed per device;
   None (default) = no limit (then every 'auto' table above `replicate_max_bytes`
   becomes table-wise).
 
