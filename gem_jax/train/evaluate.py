@@ -5,11 +5,16 @@ kept in the train state, and the host loop over an eval source.
 
 Padded rows of the last eval batch carry `label_mask = 0` and so add nothing.
 Metrics are read on the host once per evaluation (`metrics.compute`).
+
+`evaluate(s, eval_fn, state, config)` is one pass over a run's eval source (the
+trainer's periodic evaluation); `evaluate_checkpoint` restores a workdir's
+checkpoint and evaluates it (scripts/evaluate.py).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+import os
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -17,24 +22,36 @@ from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax.parallel import sharding
+from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import metrics as metrics_lib
+from gem_jax.train import report
+from gem_jax.train import setup as setup_lib
 from gem_jax.train.state import TrainState
-from gem_jax.train.step import StepConfig, model_inputs
+from gem_jax.train import step as step_lib
+from gem_jax.train.step import StepConfig
 
 
-def eval_step(state: TrainState, batch: dict, *, cfg: StepConfig) -> dict:
-  """The accumulators after adding `batch` (pure; forward only)."""
+def eval_step(state: TrainState, batch: dict, *, cfg: StepConfig,
+              forward: Callable = step_lib.forward) -> dict:
+  """The accumulators after adding `batch` (pure; forward only).
+
+  forward(model, spec, batch, emb) -> logits (B, T) fp32 (default: the trainer's
+  `step.forward`; the transfer student passes its own), run with the model's
+  activations pinned to the mesh like in the train step.
+  """
   emb = emb_lib.lookup(cfg.plan, state.emb, batch["ids"], batch.get("weights"))
   model = nnx.merge(cfg.graphdef, state.params, state.model_state)
   with sharding.activation_sharding(cfg.plan.mesh):
-    logits = model(model_inputs(cfg.spec, batch, emb)).astype(jnp.float32)  # (B, T)
+    logits = forward(model, cfg.spec, batch, emb).astype(jnp.float32)  # (B, T)
   return metrics_lib.update(state.metrics, logits, batch["labels"], batch["label_mask"],
                             batch["domain"])
 
 
-def jit_eval_step(cfg: StepConfig, state_shardings: TrainState, batch_shardings: dict):
-  """`eval_step` jitted once with explicit shardings (accumulators replicated)."""
-  return jax.jit(functools.partial(eval_step, cfg=cfg),
+def jit_eval_step(cfg: StepConfig, state_shardings: TrainState, batch_shardings: dict,
+                  **step_kwargs):
+  """`eval_step(..., **step_kwargs)` jitted once with explicit shardings (accumulators
+  replicated)."""
+  return jax.jit(functools.partial(eval_step, cfg=cfg, **step_kwargs),
                  in_shardings=(state_shardings, batch_shardings),
                  out_shardings=state_shardings.metrics)
 
@@ -56,3 +73,42 @@ def run_evaluation(eval_fn: Callable, state: TrainState, batches: Iterable[dict]
   out = {f"eval_{k}": float(v) for k, v in values.items()}
   out["eval_batches"] = n
   return state, out
+
+
+# ------------------------------------------------------------- a run's eval --
+
+def _eval_batches(s: setup_lib.Setup, config):
+  """This process's rows of the eval source's global batches (one pass)."""
+  return s.eval_src.batches(config.data.eval_batch_size, process_index=jax.process_index(),
+                            process_count=jax.process_count(), seed=config.seed, repeat=False)
+
+
+def evaluate(s: setup_lib.Setup, fn, state, config):
+  """One pass (at most `eval_batches` batches) over the eval source of setup `s`."""
+  put = setup_lib.device_putter(s.eval_plan, s.mesh)
+  return run_evaluation(fn, state, (put(b) for b in _eval_batches(s, config)), s.spec.tasks,
+                        s.spec.num_domains, max_batches=config.train.eval_batches or None)
+
+
+def eval_fn(s: setup_lib.Setup, config):
+  """`eval_step` jitted for the eval batches' shardings (taken from one eval batch)."""
+  first = next(iter(_eval_batches(s, config)))
+  batch_sh = jax.tree.map(lambda x: x.sharding, setup_lib.device_putter(s.eval_plan, s.mesh)(first))
+  return jit_eval_step(s.eval_cfg, s.shardings, batch_sh)
+
+
+def evaluate_checkpoint(config, workdir: str, step: int | None = None) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint of `workdir` and evaluates it."""
+  report.quiet_library_logs()
+  s = setup_lib.setup(config)
+  ckpt = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None,
+                                    keep=config.train.keep, best_metric=config.train.best_metric)
+  try:
+    state, restored = setup_lib.restore(s, ckpt, step)
+  finally:
+    ckpt.close()
+  if restored is None:
+    raise setup_lib.ConfigError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+  _, out = evaluate(s, eval_fn(s, config), state, config)
+  out["step"] = restored.step
+  return out

@@ -1,19 +1,22 @@
 """Non-finite losses and gradients: detected inside the jitted step, handled by policy.
 
-Inside the step (every mode):
+Inside the step (`train_step(..., skip_nonfinite=True)`, the one guard, for the
+trainer and the transfer student alike):
 
-  new, m = train_step(state, batch)
-  ok     = isfinite(loss) & isfinite(||g_dense||)          (one scalar each)
-  state' = ok ? new : state (params, optimizer moments: a select; tables and
-           slots: the sparse update is disabled, no copy), with step + 1, the
-           RNG advanced and skipped += !ok
+  bad_loss, bad_grad = flags(loss, ||g_dense||)            (one scalar each)
+  ok     = !(bad_loss | bad_grad)
+  state' = ok ? new : state (params, optimizer moments: `keep_if`, a select;
+           tables and slots: the sparse update is disabled, no copy), with
+           step + 1, the RNG advanced and skipped += !ok (`count_skipped`)
 
 so a bad batch never changes the model (optax's own update count, which drives
-the dense lr schedule, stays behind `state.step` by the skipped steps); `skipped` lives in the optimizer state
-(`SkipCountState`, checkpointed with it) and the step's metrics carry
-`nonfinite_loss` / `nonfinite_grad` (0/1) and the loss/grad norm with the bad
-value replaced by 0 (so the logged means stay finite; a window with skipped
-steps under-reports the mean loss by that share).
+the dense lr schedule, stays behind `state.step` by the skipped steps). `skipped`
+lives in the optimizer state (`SkipCountState`, added by `with_skip_counter`,
+checkpointed with it; found by its type, wherever it sits in the chain; an
+optimizer without it skips without counting), and the step's metrics carry
+`nonfinite_loss` / `nonfinite_grad` (0/1) and the losses/grad norm with a bad
+value replaced by 0 (`flagged_metrics`: the logged means stay finite; a window
+with skipped steps under-reports the mean loss by that share).
 
 On the host, `train.nonfinite` picks what happens next:
 
@@ -34,14 +37,13 @@ place.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
 
-from gem_jax.train import step as step_lib
 from gem_jax.train.state import TrainState
 
 MODES = ("skip", "rollback", "stop")
@@ -57,59 +59,74 @@ class SkipCountState(NamedTuple):
 
 
 def with_skip_counter(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """`tx` whose state also holds the skipped-steps counter (last element of the chain)."""
+  """`tx` whose state also holds the skipped-steps counter (a `SkipCountState`)."""
   counter = optax.GradientTransformation(
       lambda _: SkipCountState(jnp.zeros((), jnp.int32)),
       lambda updates, state, params=None: (updates, state))
   return optax.chain(tx, counter)
 
 
+def _is_counter(x) -> bool:
+  return isinstance(x, SkipCountState)
+
+
+def _counters(opt_state) -> list:
+  return [x for x in jax.tree.leaves(opt_state, is_leaf=_is_counter) if _is_counter(x)]
+
+
+def _replace_counter(opt_state, fn):
+  """`opt_state` with every SkipCountState c replaced by fn(c) (found by type)."""
+  return jax.tree.map(lambda x: fn(x) if _is_counter(x) else x, opt_state, is_leaf=_is_counter)
+
+
 def skipped_steps(state: TrainState) -> int:
-  """The skipped-steps counter of a state built with `with_skip_counter`."""
-  return int(jax.device_get(state.opt_state[-1].skipped))
+  """The skipped-steps counter of a state whose optimizer was built with `with_skip_counter`."""
+  found = _counters(state.opt_state)
+  if len(found) != 1:
+    raise ValueError(f"expected one SkipCountState in the optimizer state, found {len(found)} "
+                     "(build the optimizer with nonfinite.with_skip_counter)")
+  return int(jax.device_get(found[0].skipped))
 
 
-def _inject_nan(batch: dict, hit: jax.Array) -> dict:
+def flags(loss: jax.Array, grad_norm: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(bad_loss, bad_grad): traced bools, True where the value is not finite."""
+  return ~jnp.isfinite(loss), ~jnp.isfinite(grad_norm)
+
+
+def keep_if(ok: jax.Array, new, old):
+  """`new` where `ok` (a traced bool), else `old` (a select per leaf)."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def count_skipped(opt_state, skipped: jax.Array):
+  """`opt_state` with its skip counter (if any) advanced by `skipped` (a traced bool)."""
+  return _replace_counter(opt_state, lambda c: SkipCountState(
+      c.skipped + skipped.astype(jnp.int32)))
+
+
+def flagged_metrics(metrics: dict, bad_loss: jax.Array, bad_grad: jax.Array) -> dict:
+  """The step's metrics with the 0/1 flags added and non-finite losses / grad norm set to 0."""
+  out = dict(metrics)
+  for k, v in metrics.items():
+    if k == "train_loss" or k.startswith("loss_"):
+      out[k] = jnp.where(jnp.isfinite(v), v, 0.0)
+  out["grad_norm"] = jnp.where(bad_grad, 0.0, metrics["grad_norm"])
+  out["nonfinite_loss"] = bad_loss.astype(jnp.float32)
+  out["nonfinite_grad"] = bad_grad.astype(jnp.float32)
+  return out
+
+
+def inject_nan(batch: dict, hit: jax.Array) -> dict:
   """Debug hook: the batch's dense features become NaN where `hit` (a traced bool)."""
   dense = batch["dense"]
   return dict(batch, dense=jnp.where(hit, jnp.full_like(dense, jnp.nan), dense))
 
 
-def guarded_train_step(state: TrainState, batch: dict, *, cfg: step_lib.StepConfig,
-                       inject_nan_step: int = 0) -> tuple[TrainState, dict]:
-  """`train_step` that skips (and counts) an update with a non-finite loss or gradient.
-
-  Args:
-    state: the train state (its optimizer built with `with_skip_counter`).
-    batch: a global batch.
-    cfg: the step config.
-    inject_nan_step: debug: step number (1-based, the step that ends at
-      `state.step == inject_nan_step`) whose batch gets NaN dense features; 0: off.
-  """
-  if inject_nan_step:
-    batch = _inject_nan(batch, state.step + 1 == inject_nan_step)
-  new, m = step_lib.train_step(state, batch, cfg=cfg, skip_nonfinite=True)
-  bad_loss = ~jnp.isfinite(m["train_loss"])
-  bad_grad = ~jnp.isfinite(m["grad_norm"])
-  ok = ~(bad_loss | bad_grad)
-  *inner, count = new.opt_state
-  opt_state = (*inner, SkipCountState(count.skipped + (~ok).astype(jnp.int32)))
-  out = new.replace(opt_state=type(new.opt_state)(opt_state))
-  m = dict(m, train_loss=jnp.where(bad_loss, 0.0, m["train_loss"]),
-           grad_norm=jnp.where(bad_grad, 0.0, m["grad_norm"]),
-           nonfinite_loss=bad_loss.astype(jnp.float32),
-           nonfinite_grad=bad_grad.astype(jnp.float32))
-  return out, m
-
-
-def jit_guarded_train_step(cfg: step_lib.StepConfig, state_shardings: TrainState,
-                           batch_shardings: dict, inject_nan_step: int = 0):
-  """`guarded_train_step` jitted once (explicit shardings, state donated, metrics replicated)."""
-  rep = jax.sharding.NamedSharding(state_shardings.rng.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(lambda s, b: guarded_train_step(s, b, cfg=cfg, inject_nan_step=inject_nan_step),
-                 in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, rep),
-                 donate_argnums=0)
+def jit_guarded_train_step(cfg, state_shardings, batch_shardings, inject_nan_step: int = 0):
+  """Alias of `step.jit_train_step(..., skip_nonfinite=True)` for callers not yet switched."""
+  from gem_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  return step_lib.jit_train_step(cfg, state_shardings, batch_shardings, skip_nonfinite=True,
+                                 inject_nan_step=inject_nan_step)
 
 
 class NonFinitePolicy:
@@ -151,6 +168,7 @@ def rolled_back(current: TrainState, checkpointed: TrainState) -> TrainState:
   The step counter keeps going (the data position is not rewound either), and
   the counter of skipped steps keeps its current value.
   """
-  *inner, _ = checkpointed.opt_state
-  opt_state = type(checkpointed.opt_state)((*inner, current.opt_state[-1]))
+  now = _counters(current.opt_state)
+  opt_state = (_replace_counter(checkpointed.opt_state, lambda _: now[0]) if len(now) == 1
+               else checkpointed.opt_state)
   return checkpointed.replace(step=current.step, opt_state=opt_state)

@@ -4,17 +4,22 @@ Per step, for a global batch B split over ('replica', 'shard'):
 
   rows, ctx = gather_rows(plan, emb, ids)          ids -> owner shards -> local rows
   e         = pool_rows(plan, rows, ctx, w)        {feature: (B, D) | (B, L, D)}
-  loss      = masked BCE(model(params; inputs(batch, e)), labels, label_mask)
+  loss      = sum of loss_fn's terms (default: masked BCE(model(inputs(batch, e)), labels))
   g_params, g_e = d loss / d (params, e)           (micro-batched if grad_accum > 1)
   g_rows    = pool_vjp(g_e)                        row gradients, never table-sized
   params    = AdamW(clip(g_params))                dense, fp32 master weights
   emb       = apply_sparse_updates(plan, emb, ctx, g_rows, lr=sparse_lr(step))
 
+The same step trains the knowledge-transfer student (gem_jax/transfer/step.py):
+its own `loss_fn` (distillation terms), a `trainable` mask (frozen dense blocks:
+zero gradients and updates) and `frozen` embedding rows. `skip_nonfinite=True`
+is the non-finite guard (gem_jax/train/nonfinite.py).
+
 Gradient accumulation: the embedding exchange runs once for the whole batch;
 the dense model runs `grad_accum` micro-batches in a `lax.scan` (activation
-memory / grad_accum), each contributing `loss_i * n_i / n` where n_i counts its
-observed labels, so the accumulated gradient equals the full-batch gradient of
-the masked mean loss. Micro-batch i takes rows i, i+k, i+2k, ... so every
+memory / grad_accum), each term contributing `loss_i * n_i / n` where n_i counts
+its items (observed labels for BCE, see `Loss`), so the accumulated gradient
+equals the full-batch gradient of the masked mean loss. Micro-batch i takes rows i, i+k, i+2k, ... so every
 device keeps its own rows (no resharding).
 
 Precision: params fp32; the model computes in its configured dtype (bf16 on
@@ -27,7 +32,9 @@ log cadence.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+import operator
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +45,7 @@ from gem_jax import embedding as emb_lib
 from gem_jax.data.spec import DataSpec
 from gem_jax.layers import heads
 from gem_jax.parallel import sharding
+from gem_jax.train import nonfinite
 from gem_jax.train.state import TrainState
 
 
@@ -86,13 +94,34 @@ def global_norm(tree) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def loss_fn(params, emb, batch, model_state, graphdef, spec):
-  """Masked multi-task BCE of the model on one (micro-)batch; aux = logits (B, T)."""
+def forward(model, spec: DataSpec, batch: dict, emb: dict) -> jax.Array:
+  """The model's logits (B, T) in fp32: the trainer's forward (eval and the BCE loss)."""
+  return model(model_inputs(spec, batch, emb)).astype(jnp.float32)
+
+
+class Loss(NamedTuple):
+  """A training loss: a sum of terms, each a mean over some items of the batch.
+
+    terms(params, emb, batch, model_state, graphdef, spec) -> {name: fp32 scalar}
+    counts(batch) -> {name: items the term averages over (its denominator, before max(1, .))}
+
+  The step minimises the sum of the terms. Under grad_accum, micro-batch i's term
+  t counts counts_i[t] / max(1, counts[t]) (counts of the whole batch), so the
+  accumulated gradient is the full-batch one for terms of the form sum / max(1, count).
+  """
+  terms: Callable
+  counts: Callable
+
+
+def _bce_terms(params, emb, batch, model_state, graphdef, spec):
   model = nnx.merge(graphdef, params, model_state)
-  logits = model(model_inputs(spec, batch, emb)).astype(jnp.float32)  # (B, T)
-  loss = heads.masked_multitask_bce(logits, batch["labels"], batch["label_mask"],
-                                    domain=batch["domain"])
-  return loss, logits
+  logits = forward(model, spec, batch, emb)  # (B, T)
+  return {"bce": heads.masked_multitask_bce(logits, batch["labels"], batch["label_mask"],
+                                            domain=batch["domain"])}
+
+
+# The trainer's loss: masked multi-task BCE over the observed labels.
+BCE = Loss(_bce_terms, lambda batch: {"bce": jnp.sum(batch["label_mask"])})
 
 
 def _dense_part(batch: dict) -> dict:
@@ -111,76 +140,130 @@ def _from_micro(x, k):
   return x.reshape((x.shape[0] * k,) + x.shape[2:])
 
 
-def dense_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int):
-  """(loss, g_params, g_emb) of the masked mean loss, over `grad_accum` micro-batches."""
-  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+def _total(terms: dict) -> jax.Array:
+  return functools.reduce(operator.add, terms.values())
+
+
+def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
+               loss: Loss = BCE):
+  """(terms, g_params, g_emb) of `loss` (the sum of its terms), over `grad_accum` micro-batches."""
+  def total(p, e, b):
+    t = loss.terms(p, e, b, model_state, graphdef, spec)
+    return _total(t), t
+
+  grad_fn = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)
   if grad_accum == 1:
-    (loss, _), (g_params, g_emb) = grad_fn(params, emb, batch, model_state, graphdef, spec)
-    return loss, g_params, g_emb
+    (_, terms), (g_params, g_emb) = grad_fn(params, emb, batch)
+    return terms, g_params, g_emb
   k = grad_accum
-  n_total = jnp.maximum(jnp.sum(batch["label_mask"]), 1.0)
+  full = {n: jnp.maximum(c, 1.0) for n, c in loss.counts(batch).items()}
   micro = jax.tree.map(lambda x: _to_micro(x, k), (emb, batch))
 
   def body(acc, xs):
     emb_i, batch_i = xs
-    w_i = jnp.sum(batch_i["label_mask"]) / n_total  # share of observed labels
-    (loss_i, _), (g_p, g_e) = grad_fn(params, emb_i, batch_i, model_state, graphdef, spec)
-    loss_acc, gp_acc = acc
-    gp_acc = jax.tree.map(lambda a, g: a + w_i * g, gp_acc, g_p)
-    return (loss_acc + w_i * loss_i, gp_acc), jax.tree.map(lambda g: w_i * g, g_e)
+    w = {n: c / full[n] for n, c in loss.counts(batch_i).items()}  # shares of the batch's items
+    if len(w) == 1:  # one term: its gradient, scaled by its share
+      (_, t_i), (g_p, g_e) = grad_fn(params, emb_i, batch_i)
+      (w_i,) = w.values()
+      g_p, g_e = jax.tree.map(lambda g: w_i * g, (g_p, g_e))
+    else:  # several: the gradient of their weighted sum
+      def weighted(p, e):
+        t = loss.terms(p, e, batch_i, model_state, graphdef, spec)
+        return _total({n: w[n] * v for n, v in t.items()}), t
+      (_, t_i), (g_p, g_e) = jax.value_and_grad(weighted, argnums=(0, 1), has_aux=True)(
+          params, emb_i)
+    terms_acc, gp_acc = acc
+    terms_acc = {n: terms_acc[n] + w[n] * t_i[n] for n in terms_acc}
+    return (terms_acc, jax.tree.map(operator.add, gp_acc, g_p)), g_e
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (loss, g_params), g_emb = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
-  return loss, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
+  zeros = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), full),
+           jax.tree.map(jnp.zeros_like, params))
+  (terms, g_params), g_emb = jax.lax.scan(body, zeros, micro)
+  return terms, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
 
 
-def train_step(state: TrainState, batch: dict, *, cfg: StepConfig,
-               skip_nonfinite: bool = False) -> tuple[TrainState, dict]:
+def dense_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
+                loss: Loss = BCE):
+  """(loss, g_params, g_emb) of the masked mean loss, over `grad_accum` micro-batches."""
+  terms, g_params, g_emb = loss_grads(params, emb, batch, model_state, graphdef, spec,
+                                      grad_accum, loss)
+  return _total(terms), g_params, g_emb
+
+
+def _masked(tree, mask):
+  """Zeros the leaves of `tree` whose (static, Python bool) mask is False."""
+  return jax.tree.map(lambda x, keep: x if keep else jnp.zeros_like(x), tree, mask)
+
+
+def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss = BCE,
+               trainable=None, frozen=None, skip_nonfinite: bool = False,
+               inject_nan_step: int = 0) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch. Pure; jit with donate_argnums=0.
 
-  skip_nonfinite: when the loss or the dense gradient norm is not finite, keep
-  the dense params and optimizer state (a select over dense-sized arrays) and
-  turn the sparse update into a no-op (no table-sized select: the tables stay
-  updated in place).
+  Args:
+    state, batch: the train state and a global device batch.
+    cfg: the static step config.
+    loss_fn: the `Loss` (default: the trainer's masked BCE); several terms are
+      reported as `loss_<name>` next to `train_loss` (their sum).
+    trainable: params-shaped pytree of Python bools; False leaves get zero
+      gradients and updates (None: everything trains).
+    frozen: {buffer: ((start, stop), ...)} embedding rows kept bit for bit (a
+      buffer frozen whole is not updated at all); None: none.
+    skip_nonfinite: the non-finite guard (`gem_jax.train.nonfinite`): a step
+      whose loss or dense gradient norm is not finite keeps params, optimizer
+      state and tables, counts itself, and flags itself in the metrics.
+    inject_nan_step: debug: the 1-based step whose batch gets NaN dense features.
   """
   plan = cfg.plan
+  if inject_nan_step:
+    batch = nonfinite.inject_nan(batch, state.step + 1 == inject_nan_step)
   rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
   with sharding.activation_sharding(plan.mesh):
-    loss, g_params, g_emb = dense_grads(state.params, emb, _dense_part(batch), state.model_state,
-                                        cfg.graphdef, cfg.spec, cfg.grad_accum)
+    terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch), state.model_state,
+                                        cfg.graphdef, cfg.spec, cfg.grad_accum, loss_fn)
+  loss = _total(terms)
   (g_rows,) = pool_vjp(g_emb)
+  if trainable is not None:
+    g_params = _masked(g_params, trainable)
 
   grad_norm = global_norm(g_params)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skip_nonfinite else None
+  flags = nonfinite.flags(loss, grad_norm) if skip_nonfinite else None
+  ok = None if flags is None else ~(flags[0] | flags[1])
 
   updates, opt_state = cfg.tx.update(g_params, state.opt_state, state.params)
+  if trainable is not None:
+    updates = _masked(updates, trainable)
   params = optax.apply_updates(state.params, updates)
   if skip_nonfinite:
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    params = jax.tree.map(keep, params, state.params)
-    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    params, opt_state = nonfinite.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+    opt_state = nonfinite.count_skipped(opt_state, ~ok)
   sparse_lr = cfg.sparse_lr(state.step)
-  new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows, lr=sparse_lr, enabled=ok)
+  new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows, lr=sparse_lr, enabled=ok,
+                                         frozen=frozen)
   rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
 
   metrics = {
       "train_loss": loss,
+      **({f"loss_{n}": v for n, v in terms.items()} if len(terms) > 1 else {}),
       "grad_norm": grad_norm,
       "lr": jnp.asarray(cfg.schedule(state.step), jnp.float32),
       "sparse_lr": jnp.asarray(sparse_lr, jnp.float32),
       "labels_observed": jnp.sum(batch["label_mask"]),
   }
+  if skip_nonfinite:
+    metrics = nonfinite.flagged_metrics(metrics, *flags)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=new_emb,
                             rng=jax.random.key_data(rng))
   return new_state, metrics
 
 
-def jit_train_step(cfg: StepConfig, state_shardings: TrainState, batch_shardings: dict):
-  """`train_step` jitted once: explicit in/out shardings, the state donated."""
+def jit_train_step(cfg: StepConfig, state_shardings: TrainState, batch_shardings: dict,
+                   **step_kwargs):
+  """`train_step(..., **step_kwargs)` jitted once: explicit in/out shardings, the state
+  donated, every metric the step returns replicated."""
   rep = jax.sharding.NamedSharding(state_shardings.rng.mesh, jax.sharding.PartitionSpec())
-  metric_sh = {k: rep for k in ("train_loss", "grad_norm", "lr", "sparse_lr", "labels_observed")}
-  return jax.jit(lambda s, b: train_step(s, b, cfg=cfg),
+  return jax.jit(functools.partial(train_step, cfg=cfg, **step_kwargs),
                  in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, metric_sh),
+                 out_shardings=(state_shardings, rep),
                  donate_argnums=0)
