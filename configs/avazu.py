@@ -12,64 +12,19 @@ are reported per domain (0 = site, 1 = app: site_id 85f751fd).
 See docs/data.md for the format and how to split the Kaggle file by day.
 """
 import os
+import sys
 
-import ml_collections
-
-DATA = os.environ.get("GEM_JAX_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                   "..", "..", "shared", "data"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0
+def get_config():
+  c = base.get_config()
   c.mesh = (2, -1)
-
-  c.data = ml_collections.ConfigDict()
   c.data.kind = "avazu"
-  c.data.train = os.path.join(DATA, "avazu_9k_train.csv")
-  c.data.eval = os.path.join(DATA, "avazu_9k_dev.csv")
-  c.data.batch_size = 256
-  c.data.eval_batch_size = 256
-  c.data.eval_examples = 0            # 0: the whole eval file
+  c.data.train = os.path.join(base.DATA, "avazu_9k_train.csv")
+  c.data.eval = os.path.join(base.DATA, "avazu_9k_dev.csv")
   c.data.shuffle_buffer = 4096
-  c.data.bad_row_limit = 0.01
   c.data.vocab_size = 1 << 15         # hash buckets per categorical (table rows)
-
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "gem"
-  c.model.preset = "small"
-  c.model.overrides = ml_collections.ConfigDict()
-  c.model.dtype = "float32"
-  c.model.fp8 = False
-  c.model.remat = "none"
-
-  c.embedding = ml_collections.ConfigDict()
-  c.embedding.dim = 16
-  c.embedding.optimizer = "rowwise_adagrad"
-  c.embedding.lr = 0.05
-  c.embedding.warmup_steps = 0
-  c.embedding.sharding = "auto"
-  c.embedding.id_policy = "hash"
-  c.embedding.memory_budget_gb = 4.0
-  c.embedding.share_tables = True
-
-  c.optim = ml_collections.ConfigDict()
-  c.optim.name = "adamw"
-  c.optim.lr = 1e-3
-  c.optim.warmup_steps = 20
-  c.optim.decay = "cosine"
-  c.optim.weight_decay = 0.0
-  c.optim.clip_norm = 1.0
-
-  c.train = ml_collections.ConfigDict()
   c.train.steps = 300
-  c.train.log_every = 25
-  c.train.eval_every = 100
-  c.train.eval_batches = 0            # 0: a full pass over data.eval
-  c.train.checkpoint_every = 100
-  c.train.keep = 2
-  c.train.best_metric = "eval_auc"
-  c.train.grad_accum = 1
-  c.train.profile_steps = ""
-  c.train.compile_cache = ""
   return c

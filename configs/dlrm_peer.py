@@ -20,62 +20,38 @@ benchmarks/torchrec/setup.sh`. docs/PERFORMANCE.md has the figures and losses.
 `--config.model.name=dcnv2` (or configs/dcn_peer.py) selects the DCNv2
 interaction (3 low-rank cross layers, rank 512), as the peer's `--interaction dcn`.
 """
-import ml_collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config():
   import gem_jax.bench.peer  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.mesh = (1, -1)
-
-  c.data = ml_collections.ConfigDict()
-  c.data.kind = "torchrec_synthetic"   # registered by gem_jax.bench.peer
-  c.data.num_tables = 8
-  c.data.rows = 100_000
-  c.data.pooling = 1
-  c.data.alpha = 1.05
-  c.data.peer_seed = 0
-  c.data.pool = 32
-  c.data.batch_size = 4096
+  c = base.get_config()
+  c.data.kind = "torchrec_synthetic"   # registered by gem_jax.bench.peer; its fields' defaults
+  c.data.batch_size = 4096             # are the peer's: 8 tables x 100k rows, 1 id, Zipf 1.05
   c.data.eval_batch_size = 4096
   c.data.eval_examples = 4096
-
-  c.model = ml_collections.ConfigDict()
   c.model.name = "dlrm"                # 'dcnv2' for the --interaction dcn peer
   c.model.preset = "dlrm_torchrec"     # d_model 64, bottom (512, 256), top (512, 256)
-  c.model.overrides = ml_collections.ConfigDict({"dcn_layers": 3, "dcn_rank": 512})
+  c.model.overrides.update(dcn_layers=3, dcn_rank=512)
   c.model.dtype = "bfloat16"           # compute; parameters stay fp32
-  c.model.fp8 = False
-  c.model.remat = "none"
-
-  c.embedding = ml_collections.ConfigDict()
   c.embedding.dim = 64
   c.embedding.optimizer = "sgd"
   c.embedding.lr = 0.1
-  c.embedding.warmup_steps = 0
-  c.embedding.sharding = "auto"
   c.embedding.id_policy = "error"      # the peer's ids are already row ids in range
   c.embedding.memory_budget_gb = 8.0
   c.embedding.share_tables = False
-
-  c.optim = ml_collections.ConfigDict()
   c.optim.name = "sgd"
   c.optim.lr = 0.1
   c.optim.warmup_steps = 0
   c.optim.decay = "constant"
-  c.optim.weight_decay = 0.0
   c.optim.clip_norm = 0.0
-
-  c.train = ml_collections.ConfigDict()
   c.train.steps = 100
   c.train.log_every = 20
-  c.train.eval_every = 100
   c.train.eval_batches = 1
   c.train.checkpoint_every = 0
   c.train.keep = 1
-  c.train.best_metric = "eval_auc"
-  c.train.grad_accum = 1
-  c.train.profile_steps = ""
-  c.train.compile_cache = ""
   return c

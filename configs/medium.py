@@ -12,61 +12,28 @@ Sizes (synthetic 'small' features, embedding dim 128): 167M dense parameters,
 split row-wise over the 8 GPUs); 0.40 GFLOPs forward, 1.2 GFLOPs training
 FLOPs per example (analytic, gem_jax.flops).
 """
-import ml_collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.mesh = (1, -1)
-
-  c.data = ml_collections.ConfigDict()
-  c.data.kind = "synthetic"
+def get_config():
+  c = base.get_config()
   c.data.preset = "small"
-  c.data.train = ""
-  c.data.eval = ""
   c.data.batch_size = 8192
   c.data.eval_batch_size = 8192
   c.data.eval_examples = 200_000
-  c.data.shuffle_buffer = 0
-  c.data.bad_row_limit = 0.01
-
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "gem"
   c.model.preset = "medium"
-  c.model.overrides = ml_collections.ConfigDict()
   c.model.dtype = "bfloat16"
-  c.model.fp8 = False
-  c.model.remat = "none"
-
-  c.embedding = ml_collections.ConfigDict()
   c.embedding.dim = 128
-  c.embedding.optimizer = "rowwise_adagrad"
-  c.embedding.lr = 0.05
-  c.embedding.warmup_steps = 0
-  c.embedding.sharding = "auto"
-  c.embedding.id_policy = "hash"
   c.embedding.memory_budget_gb = 60.0
-  c.embedding.replica_sync = "auto"   # rows | dense | auto (fewer bytes)
-  c.embedding.share_tables = True
-
-  c.optim = ml_collections.ConfigDict()
-  c.optim.name = "adamw"
-  c.optim.lr = 1e-3
   c.optim.warmup_steps = 1000
-  c.optim.decay = "cosine"
   c.optim.weight_decay = 1e-4
-  c.optim.clip_norm = 1.0
-
-  c.train = ml_collections.ConfigDict()
   c.train.steps = 50_000
   c.train.log_every = 100
   c.train.eval_every = 5000
-  c.train.eval_batches = 0
   c.train.checkpoint_every = 5000
   c.train.keep = 3
-  c.train.best_metric = "eval_auc"
-  c.train.grad_accum = 1
-  c.train.profile_steps = ""
-  c.train.compile_cache = ""
   return c

@@ -10,62 +10,28 @@ Sizes (on its synthetic 'tiny' data, embedding dim 8): 228k dense parameters,
 FLOPs per example (analytic, gem_jax.flops; sequences at padded length).
 Tiny exists to exercise every code path quickly, not to learn much.
 """
-import ml_collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0
+def get_config():
+  c = base.get_config()
   c.mesh = (2, -1)
-
-  c.data = ml_collections.ConfigDict()
-  c.data.kind = "synthetic"
   c.data.preset = "tiny"
-  c.data.train = ""
-  c.data.eval = ""
   c.data.batch_size = 64
   c.data.eval_batch_size = 64
   c.data.eval_examples = 512
-  c.data.shuffle_buffer = 0
-  c.data.bad_row_limit = 0.01
-
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "gem"
   c.model.preset = "tiny"
-  c.model.overrides = ml_collections.ConfigDict()
-  c.model.dtype = "float32"
-  c.model.fp8 = False
-  c.model.remat = "none"
-
-  c.embedding = ml_collections.ConfigDict()
   c.embedding.dim = 8
-  c.embedding.optimizer = "rowwise_adagrad"
-  c.embedding.lr = 0.05
-  c.embedding.warmup_steps = 0
-  c.embedding.sharding = "auto"
-  c.embedding.id_policy = "hash"
   c.embedding.memory_budget_gb = 1.0
-  c.embedding.replica_sync = "auto"   # rows | dense | auto (fewer bytes)
-  c.embedding.share_tables = True
-
-  c.optim = ml_collections.ConfigDict()
-  c.optim.name = "adamw"
   c.optim.lr = 3e-3
   c.optim.warmup_steps = 2
-  c.optim.decay = "cosine"
-  c.optim.weight_decay = 0.0
-  c.optim.clip_norm = 1.0
-
-  c.train = ml_collections.ConfigDict()
   c.train.steps = 6
   c.train.log_every = 1
   c.train.eval_every = 3
   c.train.eval_batches = 2
   c.train.checkpoint_every = 3
-  c.train.keep = 2
-  c.train.best_metric = "eval_auc"
-  c.train.grad_accum = 1
-  c.train.profile_steps = ""
-  c.train.compile_cache = ""
-  c.train.stop_at = 0        # stop (and checkpoint) at this step: simulates a preemption
   return c

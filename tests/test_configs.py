@@ -1,24 +1,172 @@
 """Run configs load and validate; config errors stop with a clear message before
-anything is compiled."""
+anything is compiled.
+
+The schema: configs/base.py declares every field (`get_config()` for trainer runs,
+`student_config()` for knowledge-transfer students); each run config starts from
+it and may set only declared fields. tests/config_reference.json freezes every
+config's values as they were before the schema (commit a67030d, generated once
+from `git show a67030d:configs/NAME.py`, paths as <data>/... and <configs>/...);
+a field a config gained from the schema must hold base's default, which is the
+default the code used when the field was absent.
+"""
+import dataclasses
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
+from gem_jax.bench import runner
+from gem_jax.models import config as model_config_lib
 from gem_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
 NAMES = ("tiny", "small", "medium", "large")
+ALL = tuple(sorted(f[:-3] for f in os.listdir(CONFIGS) if f.endswith(".py") and f != "base.py"))
+with open(os.path.join(ROOT, "tests", "config_reference.json"), encoding="utf-8") as _f:
+  REFERENCE = json.load(_f)
+OPEN = "model.overrides."  # the one open block: model-config fields, checked by the model
+
+
+def module(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def load(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return module(name).get_config()
+
+
+def flat(d, prefix=""):
+  """{'data.batch_size': 256, ...}; an empty block is one entry {}."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(flat(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def values(config):
+  """Flat JSON values of a config, its paths as in tests/config_reference.json."""
+  data = module("base").DATA
+  out = {}
+  for k, v in flat(config.to_dict()).items():
+    if isinstance(v, str):
+      v = v.replace(data, "<data>").replace(CONFIGS, "<configs>")
+    out[k] = json.loads(json.dumps(v))
+  return out
+
+
+def schema_of(config):
+  base = module("base")
+  return base.student_config() if "transfer" in config else base.get_config()
+
+
+def test_reference_covers_every_config():
+  assert sorted(REFERENCE) == list(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_config_values_unchanged(name):
+  c = load(name)
+  got, ref, default = values(c), REFERENCE[name], values(schema_of(c))
+  assert {k: got.get(k, "<absent>") for k in ref} == ref
+  added = {k: v for k, v in got.items() if k not in ref}
+  assert added == {k: default[k] for k in added}, "a newly declared field must hold base's default"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_config_declares_only_schema_fields(name):
+  c = load(name)
+  fields = {k for k in flat(c.to_dict()) if not k.startswith(OPEN)} - {OPEN[:-1]}
+  schema = set(flat(schema_of(c).to_dict())) - {OPEN[:-1]}
+  assert fields - schema == set(), f"{name}: declare these in configs/base.py"
+  assert schema - fields == set()  # starts from base, deletes nothing
+  known = {f.name for f in dataclasses.fields(model_config_lib.GEMConfig)}
+  assert set(c.model.overrides) <= known, f"{name}: model.overrides outside the model config"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_runner_loads_like_importlib(name):
+  assert runner.load_config(name).to_dict() == load(name).to_dict()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_docstring_keeps_what_and_how_not_run_logs(name):
+  doc = module(name).__doc__
+  assert doc.startswith(f"{name}: ")
+  assert f"configs/{name}.py" in doc or f"--config {name}" in doc  # the command that runs it
+  assert not re.search(r"examples/s|load average|Measured|\d s per step", doc), \
+      "run logs go to docs/PERFORMANCE.md or docs/RESULTS.md"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sizes_in_docstring(name):
+  doc = module(name).__doc__
+  assert "dense parameters" in doc and "FLOPs per example" in doc
+
+
+def _flag_value(v):
+  """A command-line value of v's type that differs from v."""
+  if isinstance(v, bool):
+    return str(not v), not v
+  if isinstance(v, int):
+    return str(v + 1), v + 1
+  if isinstance(v, float):
+    return repr(v + 0.5), v + 0.5
+  if isinstance(v, str):
+    return "x" + v, "x" + v
+  if isinstance(v, tuple):
+    new = (2, -1) if v == (1, -1) else (8,) if v == (16,) else ("a",)
+    return repr(new), new
+  assert v is None, v  # placeholder(int)
+  return "5", 5
+
+
+def _parse(name, *argv):
+  """`--config=configs/NAME.py *argv` through absl config_flags, locked like scripts/train.py
+  (config_flags reads the overrides from sys.argv)."""
+  argv = ["train.py", f"--config={os.path.join(CONFIGS, name + '.py')}", *argv]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True)
+  with mock.patch.object(sys, "argv", argv):
+    fv(argv)
+  return fv.config
+
+
+@pytest.mark.parametrize("name", ("tiny", "student_planted"))
+def test_every_field_overridable_from_the_command_line(name):
+  """As scripts/train.py parses them (absl config_flags, locked): each declared field."""
+  c = load(name)
+  for key, v in flat(c.to_dict()).items():
+    if key.startswith(OPEN) or key == OPEN[:-1]:
+      continue
+    v = c
+    for p in key.split("."):
+      v = v[p]
+    text, want = _flag_value(v)
+    got = _parse(name, f"--config.{key}={text}")
+    for p in key.split("."):
+      got = got[p]
+    assert got == want, key
+
+
+def test_unknown_field_rejected_by_the_flag_parser():
+  assert _parse("tiny", "--config.train.stop_at=2").train.stop_at == 2
+  with pytest.raises((flags.Error, AttributeError, KeyError), match="stepz"):
+    _parse("tiny", "--config.train.stepz=1")
 
 
 class CompileCounter:
@@ -36,25 +184,6 @@ class CompileCounter:
 @pytest.fixture(scope="module")
 def compiles():
   return CompileCounter()
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_config_fields_and_docstring(name):
-  c = load(name)
-  for block, fields in {
-      "data": ("kind", "batch_size", "eval_batch_size", "eval_examples"),
-      "model": ("name", "preset", "dtype", "fp8", "remat"),
-      "embedding": ("dim", "optimizer", "lr", "sharding", "id_policy", "memory_budget_gb"),
-      "optim": ("name", "lr", "warmup_steps", "decay", "weight_decay", "clip_norm"),
-      "train": ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep",
-                "best_metric", "grad_accum", "profile_steps", "compile_cache")}.items():
-    for f in fields:
-      assert f in c[block], f"{name}: {block}.{f}"
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  assert f"configs/{name}.py" in mod.__doc__  # the command that runs it
-  assert "dense parameters" in mod.__doc__ and "FLOPs per example" in mod.__doc__
 
 
 @pytest.mark.parametrize("name", ("tiny", "small"))
