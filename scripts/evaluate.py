@@ -15,6 +15,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from gem_jax.parallel import distributed  # noqa: E402
+from gem_jax.train import evaluate  # noqa: E402
 from gem_jax.train import loop  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "configs/NAME.py", lock_config=True)
@@ -26,7 +27,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   distributed.maybe_initialize()
-  loop.run_and_print(loop.evaluate_checkpoint, flags.FLAGS.config, flags.FLAGS.workdir,
+  loop.run_and_print(evaluate.evaluate_checkpoint, flags.FLAGS.config, flags.FLAGS.workdir,
                      flags.FLAGS.step)
 
 

@@ -18,11 +18,11 @@ SEEDS=${SEEDS:-"0 1 2"}
 export XLA_FLAGS=--xla_force_host_platform_device_count=1
 mkdir -p "$OUT"
 
-# scripts/train.py with two extra model names registered for these runs:
-#   lr         gem_jax.models.linear.LinearModel (logistic regression);
+# scripts/train.py with one extra model name registered for these runs ('lr',
+# gem_jax.models.linear.LinearModel, is in gem_jax/train/setup.py's MODELS):
 #   gem_noseq  GEM built on the DataSpec without its event streams (GEM's dummy stream
-#              of one invalid event takes their place: no sequence module input).
-# (When gem_jax/train/loop.py's model table lists 'lr' itself this changes nothing.)
+#              of one invalid event takes their place: no sequence module input);
+#              FLOPs counted as GEM's on the spec without its streams.
 train() {
   "$PY" - "$@" <<'EOF'
 import dataclasses
@@ -31,24 +31,28 @@ import sys
 import types
 
 from gem_jax.models.gem import GEM
-from gem_jax.train import loop
+from gem_jax.train import setup
+
+
+def no_streams(spec):
+  """The spec minus its streams and their item features."""
+  items = spec.sequence_item_features
+  return dataclasses.replace(spec, sequences=(),
+                             sparse=tuple(f for f in spec.sparse if f.name not in items))
 
 
 class GEMNoSequences(GEM):
   """GEM on the spec minus its streams and their item features (inputs['seq'] unused)."""
 
   def __init__(self, cfg, spec, feature_dims, *, rngs):
-    items = spec.sequence_item_features
-    spec = dataclasses.replace(spec, sequences=(),
-                               sparse=tuple(f for f in spec.sparse if f.name not in items))
-    super().__init__(cfg, spec, feature_dims, rngs=rngs)
+    super().__init__(cfg, no_streams(spec), feature_dims, rngs=rngs)
 
 
 ablations = types.ModuleType("results_ablations")
 ablations.GEMNoSequences = GEMNoSequences
 sys.modules["results_ablations"] = ablations
-loop._MODELS.setdefault("lr", ("gem_jax.models.linear", "LinearModel"))
-loop._MODELS.setdefault("gem_noseq", ("results_ablations", "GEMNoSequences"))
+setup.register_model("gem_noseq", "results_ablations", "GEMNoSequences",
+                     lambda cfg, spec, dims: setup.MODELS["gem"].flops(cfg, no_streams(spec), dims))
 sys.argv = ["scripts/train.py"] + sys.argv[1:]
 runpy.run_path("scripts/train.py", run_name="__main__")
 EOF

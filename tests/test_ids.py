@@ -95,7 +95,7 @@ def test_id_collision_metric_follows_the_trained_batches():
 
 
 def test_trainer_host_batch_counts_collisions_of_each_batch():
-  from gem_jax.train import loop  # pylint: disable=import-outside-toplevel
+  from gem_jax.train import setup  # pylint: disable=import-outside-toplevel
   tables = [TableConfig("c", 10, 4, id_policy="clip"), TableConfig("e", 10, 4)]
   plan = plan_embeddings(tables, [FeatureConfig("c", "c", 2), FeatureConfig("e", "e", 1)],
                          make_mesh(1, 2), 2)
@@ -103,7 +103,7 @@ def test_trainer_host_batch_counts_collisions_of_each_batch():
   batches = [{"ids": {"c": np.array([[0, 12], [11, -1]]), "e": np.array([[1], [2]])}},
              {"ids": {"c": np.array([[3, 4], [5, 5]]), "e": np.array([[1], [2]])}}]
   for b in batches:
-    out = loop._host_batch(plan, b, acc)  # pylint: disable=protected-access
+    out = setup.host_batch(plan, b, acc)
     assert out["ids"]["c"].dtype == np.int32
   acc.consume()
   acc.consume()

@@ -91,15 +91,15 @@ def losses(workdir) -> dict[int, float]:
 def restore_state(workdir, step):
   """The checkpoint `step` of `workdir`, restored in this (8-device) process on the tiny mesh."""
   from gem_jax.train import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
-  from gem_jax.train import loop  # pylint: disable=import-outside-toplevel
+  from gem_jax.train import setup  # pylint: disable=import-outside-toplevel
   import importlib.util  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("tiny_config", TINY)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  s = loop.setup(mod.get_config())
+  s = setup.setup(mod.get_config())
   mgr = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None, keep=9)
   try:
-    restored = mgr.restore(loop.checkpoint_abstract(s.abstract, s.plan), step=step)
+    restored = mgr.restore(setup.checkpoint_abstract(s.abstract, s.plan), step=step)
   finally:
     mgr.close()
   return restored

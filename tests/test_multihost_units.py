@@ -68,17 +68,24 @@ def test_data_positions_single_process_and_own_position():
   assert dist.own_data_position(None) is None
 
 
-def test_prepare_local_ids_matches_prepare_ids(mesh8):
+def test_prepare_ids_of_a_process_slice_matches_the_global_batch(mesh8):
   tables = [emb_lib.TableConfig("t", rows=10, dim=4, id_policy="hash")]
   feats = [emb_lib.FeatureConfig("f", "t", bag=2)]
   plan = emb_lib.plan_embeddings(tables, feats, mesh8, batch_size=8,
                                  optimizer=emb_lib.SparseOptimizerConfig())
   ids = {"f": np.array([[1, 25], [-1, 3], [9, 10], [123456789, 0]] * 2)}
-  np.testing.assert_array_equal(dist.prepare_local_ids(plan, ids)["f"],
-                                emb_lib.prepare_ids(plan, ids)["f"])
-  assert dist.prepare_local_ids(plan, ids)["f"][1, 0] == -1
+  whole = emb_lib.prepare_ids(plan, ids)["f"]
+  for p in range(2):  # each of 2 processes prepares its 4 rows
+    part = emb_lib.prepare_ids(plan, {"f": ids["f"][4 * p:4 * p + 4]}, process_index=p,
+                               process_count=2)["f"]
+    np.testing.assert_array_equal(part, whole[4 * p:4 * p + 4])
+  assert whole[1, 0] == -1
+  with pytest.raises(ValueError, match=r"expected \(4, 2\) \(process 1's 4 of 8 rows"):
+    emb_lib.prepare_ids(plan, ids, process_index=1, process_count=2)
   with pytest.raises(ValueError, match=r"expected \(8, 2\)"):
-    dist.prepare_local_ids(plan, {"f": ids["f"][:4]})
+    emb_lib.prepare_ids(plan, {"f": ids["f"][:4]})
+  with pytest.raises(ValueError, match="process_index 2"):
+    emb_lib.prepare_ids(plan, ids, process_index=2, process_count=2)
 
 
 # ------------------------------------------------------------------ watchdog --

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import make_mesh
-from gem_jax.train import integrity, loop, nonfinite, preemption, validate
+from gem_jax.train import integrity, loop, nonfinite, preemption, report, setup, validate
 from gem_jax.train import state as state_lib
 from gem_jax.train.checkpoint import CheckpointManager, abstract_like
 from test_checkpoint import assert_trees_equal, make_state
@@ -204,9 +204,9 @@ def cache_dir(tmp_path_factory):
 
 
 def _restore(workdir, config):
-  s = loop.setup(config)
+  s = setup.setup(config)
   with CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None) as ckpt:
-    return s, ckpt.restore(loop.checkpoint_abstract(s.abstract, s.plan))
+    return s, ckpt.restore(setup.checkpoint_abstract(s.abstract, s.plan))
 
 
 @pytest.mark.slow  # real training loop runs: minutes on 2 cores
@@ -216,7 +216,7 @@ def test_loop_skip_mode_counts_and_checkpoints_stay_finite(tmp_path, cache_dir):
   assert out["step"] == 3 and np.isfinite(out["train_loss"])
   _, got = _restore(str(tmp_path), c)
   assert got.step == 3 and int(got.state.opt_state[-1].skipped) == 1
-  rows = [r for r in loop.report.read_jsonl(str(tmp_path / "metrics.jsonl")) if "train_loss" in r]
+  rows = [r for r in report.read_jsonl(str(tmp_path / "metrics.jsonl")) if "train_loss" in r]
   assert [r["nonfinite_loss"] for r in rows] == [0.0, 1.0, 0.0]
 
 
@@ -240,7 +240,7 @@ def test_loop_rollback_mode_restores_last_checkpoint(tmp_path, cache_dir):
   assert got.step == 4 and int(got.state.opt_state[-1].skipped) == 1
   # Step 4 started from checkpoint 2's model: replay it by hand and compare.
   with CheckpointManager(str(tmp_path / "checkpoints"), save_every=None) as ckpt:
-    at2 = ckpt.restore(loop.checkpoint_abstract(s.abstract, s.plan), step=2)
+    at2 = ckpt.restore(setup.checkpoint_abstract(s.abstract, s.plan), step=2)
   assert got.state.step == 4 and at2.state.step == 2
   diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got.state.params,
                       at2.state.params)
@@ -276,11 +276,11 @@ def test_preemption_decision_is_collective(monkeypatch):
 def test_workdir_checks(tmp_path):
   f = tmp_path / "file"
   f.write_text("x")
-  with pytest.raises(loop.ConfigError, match="cannot be created"):
+  with pytest.raises(validate.ConfigError, match="cannot be created"):
     validate.check_workdir(str(f / "run"))
-  with pytest.raises(loop.ConfigError, match="not a directory"):
+  with pytest.raises(validate.ConfigError, match="not a directory"):
     validate.check_workdir(str(f))
-  with pytest.raises(loop.ConfigError, match="MiB free"):
+  with pytest.raises(validate.ConfigError, match="MiB free"):
     validate.check_workdir(str(tmp_path / "run"), need_bytes=1 << 60)
   validate.check_workdir(str(tmp_path / "run"), need_bytes=1 << 20)
   assert os.listdir(tmp_path / "run") == []        # the write test leaves nothing behind
@@ -299,15 +299,15 @@ def test_embedding_checks():
                             ("lr", 0.0, "lr")):
     e = base.copy_and_resolve_references()
     e[field] = value
-    with pytest.raises(loop.ConfigError, match=msg):
+    with pytest.raises(validate.ConfigError, match=msg):
       validate.check_embedding(SPEC, e, {})
-  with pytest.raises(loop.ConfigError, match="'clicks_ad' is not among"):
+  with pytest.raises(validate.ConfigError, match="'clicks_ad' is not among"):
     validate.check_embedding(SPEC, base, {"clicks_ad": "ad"})
-  with pytest.raises(loop.ConfigError, match="'item', which is not among"):
+  with pytest.raises(validate.ConfigError, match="'item', which is not among"):
     validate.check_embedding(SPEC, base, {"hist_ad": "item"})
   strict = base.copy_and_resolve_references()
   strict.id_policy = "error"
-  with pytest.raises(loop.ConfigError, match="larger ids"):
+  with pytest.raises(validate.ConfigError, match="larger ids"):
     validate.check_embedding(SPEC, strict, {"user": "ad"})    # 64 ids into 48 rows
 
 
@@ -322,5 +322,5 @@ def test_setup_errors_before_compiling(field, value, msg):
     c.data.kind, c.data.eval = "criteo", "/nonexistent/eval.gz"
   node, key = (c, field) if "." not in field else (c[field.split(".")[0]], field.split(".")[1])
   node[key] = value
-  with pytest.raises(loop.ConfigError, match=msg):
-    loop.setup(c)
+  with pytest.raises(validate.ConfigError, match=msg):
+    setup.setup(c)

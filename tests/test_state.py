@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_mesh
 from gem_jax.embedding import export_state, import_state
 from gem_jax.train import checkpoint as ckpt_lib
-from gem_jax.train.loop import checkpoint_abstract, checkpoint_tree
+from gem_jax.train.setup import checkpoint_abstract, checkpoint_tree
 from test_step_fixtures import Built, make_batch
 
 

@@ -17,7 +17,7 @@ from gem_jax.layers.dense import Dense
 from gem_jax.train import metrics, optim
 from gem_jax.train import state as state_lib
 from gem_jax.train import step as step_lib
-from gem_jax.train.loop import embedding_configs
+from gem_jax.train.setup import embedding_configs
 
 SPEC = DataSpec(
     n_dense=3,
@@ -85,8 +85,8 @@ class Built:
                                       self.emb_init, self.acc_fn, self.shardings)
 
   def put(self, batch):
-    from gem_jax.train.loop import _device_putter
-    return _device_putter(self.plan, self.mesh)(batch)
+    from gem_jax.train.setup import device_putter  # pylint: disable=import-outside-toplevel
+    return device_putter(self.plan, self.mesh)(batch)
 
   def step_fn(self, batch):
     sh = jax.tree.map(lambda x: x.sharding, batch)

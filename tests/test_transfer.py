@@ -12,7 +12,7 @@ from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax.train import checkpoint as ckpt_lib
-from gem_jax.train import loop
+from gem_jax.train import setup as setup_lib
 from gem_jax.train.step import model_inputs
 from gem_jax.transfer import generate, losses
 from gem_jax.transfer import knowledge as kn
@@ -36,12 +36,12 @@ def teacher(tmp_path_factory):
   """A GEM teacher checkpoint written by the trainer's checkpoint code, restored on 2x4."""
   wd = str(tmp_path_factory.mktemp("teacher"))
   cfg = _teacher_config()
-  s = loop.setup(cfg)
-  state, _, _ = loop.restore_or_init(s, ckpt_lib.CheckpointManager(
+  s = setup_lib.setup(cfg)
+  state, _, _ = setup_lib.restore_or_init(s, ckpt_lib.CheckpointManager(
       os.path.join(wd, "checkpoints"), save_every=None, keep=1), seed=3)
   with ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"), save_every=None,
                                   keep=1) as ckpt:
-    ckpt.save(5, loop.checkpoint_tree(state, s.plan), config=cfg, force=True)
+    ckpt.save(5, setup_lib.checkpoint_tree(state, s.plan), config=cfg, force=True)
   return generate.restore_teacher(cfg, wd, B)
 
 
@@ -114,7 +114,7 @@ def test_knowledge_resume_is_exact_and_mismatch_fails(knowledge):
 def _student(teacher, opts):
   s = teacher.setup
   model_cfg, emb_cfg, opt_cfg = (
-      ttrain.student_model_config(ml_collections.ConfigDict(dict(
+      setup_lib.model_config(ml_collections.ConfigDict(dict(
           preset="tiny", dtype="float32", overrides=dict(d_model=16, num_blocks=1, wukong_nf=2,
                                                          wukong_nl=2, trunk_hidden=(16,))))),
       ml_collections.ConfigDict(dict(dim=16, optimizer="rowwise_adagrad", lr=0.1,

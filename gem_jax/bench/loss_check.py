@@ -26,10 +26,9 @@ def run_losses(config, steps: int) -> list[float]:
   """Train losses of the first `steps` steps of `config` on the default backend."""
   import jax  # pylint: disable=import-outside-toplevel
   from gem_jax.bench import runner  # pylint: disable=import-outside-toplevel
-  from gem_jax.train import loop, state as state_lib, step as step_lib  # pylint: disable=import-outside-toplevel
-  s = loop.setup(config)
-  state = state_lib.init_train_state(jax.random.key(config.seed), s.model_fn, s.tx, s.emb_init,
-                                     s.acc_fn, s.shardings)
+  from gem_jax.train import setup as setup_lib, step as step_lib  # pylint: disable=import-outside-toplevel
+  s = setup_lib.setup(config)
+  state = setup_lib.init_state(s, config.seed)
   batches = runner.device_batches(s, config, steps)
   fn = step_lib.jit_train_step(s.step_cfg, s.shardings,
                                jax.tree.map(lambda x: x.sharding, batches[0]))

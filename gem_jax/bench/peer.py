@@ -186,10 +186,8 @@ def peer_command_from_config(config, *, steps: int, warmup: int, threads: int = 
 
   `autocast` None: the config's precision (`peer_autocast`).
   """
-  from gem_jax.models import config as model_config  # pylint: disable=import-outside-toplevel
-  cfg = model_config.get_config(config.model.preset,
-                                **{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in config.model.get("overrides", {}).items()})
+  from gem_jax.train import setup  # pylint: disable=import-outside-toplevel
+  cfg = setup.model_config(config.model)
   d = config.data
   return peer_command(
       interaction="dcn" if config.model.name == "dcnv2" else "dot", batch_size=d.batch_size,

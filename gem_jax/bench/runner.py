@@ -6,7 +6,7 @@ What is measured, in this order (all in one process):
   1. peak FLOP/s per device: the vendor table on GPU/TPU (`report.peak_flops_per_device`)
      and a matmul probe on every platform (CPU: `report.matmul_probe_flops`, the MFU
      denominator; GPU: a bf16 (8192^3) product);
-  2. setup + state exactly as `gem_jax.train.loop` builds them; a pool of `pool`
+  2. setup + state exactly as the trainer builds them (`gem_jax.train.setup`); a pool of `pool`
      host batches put on the devices before timing (data is not timed);
   3. compile time: cold (empty persistent cache) and warm (in-memory caches cleared,
      the same program loaded from the now-primed persistent cache);
@@ -39,14 +39,11 @@ import numpy as np
 
 from gem_jax import hostmem
 from gem_jax import embedding as emb_lib
-from gem_jax import flops as flops_lib
 from gem_jax.bench import matmul_ceiling
 from gem_jax.bench import timing
 from gem_jax.data import pipeline
-from gem_jax.parallel import sharding as shd
-from gem_jax.train import loop
 from gem_jax.train import report
-from gem_jax.train import state as state_lib
+from gem_jax.train import setup as setup_lib
 from gem_jax.train import step as step_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,27 +88,6 @@ def fit_mesh(config, num_devices: int):
   return config
 
 
-def model_config(config):
-  """The GEMConfig of the run config's model block (preset + dtype/fp8/remat + overrides)."""
-  from gem_jax.models import config as mc  # pylint: disable=import-outside-toplevel
-  m = config.model
-  overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in m.get("overrides", {}).items()}
-  remat = None if m.remat in (None, "", "none") else m.remat
-  return mc.get_config(m.preset, dtype=m.dtype, fp8=m.fp8, remat=remat, **overrides)
-
-
-def analytic_train_flops(config, spec, feature_dims) -> float:
-  """Training FLOPs per example (3 x forward) of the config's model (`gem_jax.flops`)."""
-  cfg = model_config(config)
-  name = config.model.name
-  if name == "gem":
-    fwd = flops_lib.gem_flops(cfg, spec, feature_dims)["total"]
-  else:
-    fwd = flops_lib.dlrm_flops(cfg, spec, feature_dims,
-                               "dcn" if name == "dcnv2" else "dot")["total"]
-  return float(flops_lib.train_flops(fwd))
-
-
 # ------------------------------------------------------------------ probes --
 
 def gpu_matmul_probe(dtype=jnp.bfloat16, n: int = 8192, repeats: int = 10) -> float:
@@ -137,16 +113,11 @@ def peaks(dtype: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- batches --
 
-def device_batches(s: loop.Setup, config, n: int) -> list[dict]:
+def device_batches(s: setup_lib.Setup, config, n: int) -> list[dict]:
   """`n` training batches of the config's source, on the mesh in the trainer's shardings."""
   it = s.train_src.batches(config.data.batch_size, seed=config.seed, repeat=True)
-  ids_sh = s.plan.ids_shardings()
-  out = []
-  for host in pipeline.take(it, n):
-    host = dict(host)
-    host["ids"] = emb_lib.prepare_ids(s.plan, host["ids"])
-    out.append(pipeline.global_batch(host, shd.batch_shardings(host, s.mesh, ids_sh)))
-  return out
+  put = setup_lib.device_putter(s.plan, s.mesh)
+  return [put(host) for host in pipeline.take(it, n)]
 
 
 def memory_figures(compiled) -> dict[str, float]:
@@ -171,7 +142,7 @@ def device_memory_peak() -> float | None:
 
 # -------------------------------------------------------------- dense part --
 
-def dense_step_fn(s: loop.Setup):
+def dense_step_fn(s: setup_lib.Setup):
   """(params, opt_state, emb, batch) -> (params, opt_state, loss): the dense half of the step.
 
   The same `step.dense_grads` and dense optimizer as `train_step`, on fixed
@@ -229,9 +200,8 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
   load_before = timing.loadavg()
   peak = peaks(config.model.dtype if not config.model.fp8 else "float8")
 
-  s = loop.setup(config)
-  state = state_lib.init_train_state(jax.random.key(config.seed), s.model_fn, s.tx, s.emb_init,
-                                     s.acc_fn, s.shardings)
+  s = setup_lib.setup(config)
+  state = setup_lib.init_state(s, config.seed)
   batches = device_batches(s, config, opts.pool)
   batch_sh = jax.tree.map(lambda x: x.sharding, batches[0])
   jitted = step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh)
@@ -272,7 +242,7 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
   b = config.data.batch_size
   n_dev = s.mesh.size
   stats = timing.StepStats(tuple(times), b)
-  flops = analytic_train_flops(config, s.spec, s.feature_dims)
+  flops = setup_lib.train_flops_per_example(config.model, s.spec, s.feature_dims)
   result: dict[str, Any] = {
       "name": name, "config": name, "framework": "gem_jax",
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -287,7 +257,7 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
       "compile_warm_s": None if warm is None else warm.lower_s + warm.compile_s,
       "xla_compile_warm_s": None if warm is None else warm.compile_s,
       "train_flops_per_example": flops,
-      "xla_flops_per_example": loop.xla_flops_per_example(compiled, b),
+      "xla_flops_per_example": setup_lib.xla_flops_per_example(compiled, b),
       **peak,
       "embedding_exchange_bytes_per_step": int(sum(s.plan.exchange_bytes().values())),
       "embedding_sharding": dict(s.plan.sharding),

@@ -1,7 +1,7 @@
 """Inputs of the scale projection taken from a run config: FLOPs, dense parameters, plan volumes.
 
 `plan_volumes` builds the config's real embedding plan on an abstract (R, S) mesh
-(no devices needed) for a global batch of b R S and reads its exchange bytes:
+(no devices needed, `setup.make_plan`) for a global batch of b R S and reads its exchange bytes:
 `forward_bytes` (the lookup all-to-alls) and `sync_bytes` (the replica sync).
 """
 from __future__ import annotations
@@ -11,12 +11,9 @@ import dataclasses
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from gem_jax import embedding as emb_lib
 from gem_jax import flops as flops_lib
 from gem_jax.bench import network
-from gem_jax.bench import runner
-from gem_jax.data import registry as data_registry
-from gem_jax.train import loop
+from gem_jax.train import setup as setup_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,30 +24,26 @@ class ModelFacts:
   spec: object
   tables: tuple
   features: tuple
+  shared: dict | None = None   # feature -> the feature whose table it reads
 
 
 def model_facts(config) -> ModelFacts:
-  train_src, _ = data_registry.make_sources(config.data)
+  train_src, _, shared = setup_lib.sources(config)
   spec = train_src.spec
-  shared = getattr(train_src, "shared_vocab", None) if config.embedding.share_tables else None
-  tables, features = loop.embedding_configs(spec, config.embedding, shared)
+  tables, features = setup_lib.embedding_configs(spec, config.embedding, shared)
   dims = {f.name: config.embedding.dim for f in spec.sparse}
-  model_fn = loop.model_factory(config.model, spec, dims)
+  model_fn = setup_lib.model_factory(config.model, spec, dims)
   params = flops_lib.count_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
-  return ModelFacts(runner.analytic_train_flops(config, spec, dims), params, spec,
-                    tuple(tables), tuple(features))
+  return ModelFacts(setup_lib.train_flops_per_example(config.model, spec, dims), params, spec,
+                    tuple(tables), tuple(features), shared)
 
 
 def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
           replica_sync: str | None = None):
   mesh = AbstractMesh((replicas, shards), ("replica", "shard"))
-  opt = emb_lib.SparseOptimizerConfig(kind=config.embedding.optimizer, lr=config.embedding.lr)
-  budget = config.embedding.get("memory_budget_gb")
-  return emb_lib.plan_embeddings(
-      list(facts.tables), list(facts.features), mesh,
-      batch_size=per_device_batch * replicas * shards, optimizer=opt,
-      memory_budget_bytes=int(budget * 2**30) if budget else None,
-      replica_sync=replica_sync or config.embedding.get("replica_sync", "auto"))
+  return setup_lib.make_plan(facts.spec, config.embedding, mesh,
+                             per_device_batch * replicas * shards, facts.shared,
+                             replica_sync=replica_sync)
 
 
 def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,

@@ -115,22 +115,31 @@ def table_collisions(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray],
   return out
 
 
-def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Applies each table's id policy to a host batch `{feature: (B, bag) ints}`.
+def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray], *,
+                process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+  """Applies each table's id policy to a host batch `{feature: (B / P, bag) ints}`.
 
-  B is the plan's global batch (`plan.batch_size`). Returns `{feature: int32
-  (B, bag)}` with -1 at padding; put it on the mesh with
+  B is the plan's global batch (`plan.batch_size`), P = `process_count`: each
+  process passes its own rows (its slice of the global batch, assembled into
+  global arrays by `jax.make_array_from_process_local_data`); the policies are
+  per id, so a slice is prepared alone. Returns `{feature: int32 (B / P, bag)}`
+  with -1 at padding; put a single process's batch on the mesh with
   `jax.device_put(ids, plan.ids_shardings())`.
   """
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+  local = plan.batch_size // process_count
   out = {}
   for name, f in plan.features.items():
     if name not in host_ids:
       raise KeyError(f"ids for feature {name!r} are missing; got {sorted(host_ids)}")
     ids = np.asarray(host_ids[name])
-    if ids.shape != (plan.batch_size, f.bag):
+    if ids.shape != (local, f.bag):
+      whose = ("the plan's global batch" if process_count == 1 else
+               f"process {process_index}'s {local} of {plan.batch_size} rows")
       raise ValueError(f"feature {name!r}: ids of shape {ids.shape}, expected "
-                       f"({plan.batch_size}, {f.bag}) (the plan's global batch, bag; "
-                       f"another batch size needs its own plan, see docs/embedding.md)")
+                       f"({local}, {f.bag}) ({whose}, bag; another batch size needs its "
+                       f"own plan, see docs/embedding.md)")
     t = plan.tables[f.table]
     out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
   return out

@@ -242,32 +242,3 @@ def own_data_position(saved: Any) -> Any:
   if len(every) == jax.process_count():
     return every[jax.process_index()]
   return saved["position"]
-
-
-def prepare_local_ids(plan, host_ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """`embedding.prepare_ids` for this process's rows of the global batch.
-
-  Each process holds `plan.batch_size // process_count` rows (its slice of the
-  global batch, assembled into global arrays by
-  `jax.make_array_from_process_local_data`); the tables' id policies are
-  per-id, so they apply to the slice alone.
-
-  Args:
-    plan: the embedding plan (`plan.batch_size` is the global batch).
-    host_ids: `{feature: (B / P, bag) ints}`.
-  Returns:
-    `{feature: int32 (B / P, bag)}`, -1 at padding.
-  """
-  from gem_jax.embedding.ids import apply_id_policy  # pylint: disable=import-outside-toplevel
-  local = plan.batch_size // jax.process_count()
-  out = {}
-  for name, f in plan.features.items():
-    if name not in host_ids:
-      raise KeyError(f"ids for feature {name!r} are missing; got {sorted(host_ids)}")
-    ids = np.asarray(host_ids[name])
-    if ids.shape != (local, f.bag):
-      raise ValueError(f"feature {name!r}: ids of shape {ids.shape}, expected ({local}, {f.bag}) "
-                       f"(this process's {local} of {plan.batch_size} rows, bag)")
-    t = plan.tables[f.table]
-    out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
-  return out

@@ -329,6 +329,17 @@ class IdCollisions:
     return out
 
 
+def quiet_library_logs() -> None:
+  """Drops Orbax's per-save INFO lines from the absl log (warnings still show)."""
+  import logging as pylogging  # pylint: disable=import-outside-toplevel
+  from absl import logging  # pylint: disable=import-outside-toplevel
+
+  class _Filter(pylogging.Filter):
+    def filter(self, record):
+      return record.levelno >= pylogging.WARNING or "orbax" not in record.pathname
+  logging.get_absl_handler().addFilter(_Filter())
+
+
 # ----------------------------------------------------------- compilation time --
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "gem_jax", "xla")

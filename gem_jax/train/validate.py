@@ -1,10 +1,10 @@
-"""Start-up checks that need more than the config: the workdir and the tables.
+"""Start-up checks of a run: every one raises `ConfigError` before anything compiles.
 
-Each raises the loop's `ConfigError` (a one-line `config error: ...` from
-scripts/train.py, exit status 1) before anything is compiled or allocated.
-The config-only checks (mesh vs devices, batch divisibility) live in
-`loop.check_config`; missing data files surface from `data.registry`.
+A `ConfigError` is a one-line `config error: ...` from scripts/train.py (exit
+status 1). Missing data files surface from `data.registry` (as a ConfigError
+raised by `setup.setup`); a table over the memory budget from `setup.make_plan`.
 
+  check_config(config, num_devices)        mesh vs devices, batch divisibility, steps
   check_workdir(workdir, need_bytes)       exists or can be created, is writable,
                                            has room for the checkpoints kept
   check_embedding(spec, emb_cfg, shared)   table/feature settings agree with the data
@@ -21,11 +21,38 @@ from typing import Any
 import jax
 
 from gem_jax.embedding import config as emb_config
+from gem_jax.parallel.mesh import resolve_mesh_shape
+
+
+class ConfigError(ValueError):
+  """A run-config problem found before anything compiles."""
 
 
 def _fail(msg: str):
-  from gem_jax.train.loop import ConfigError  # pylint: disable=import-outside-toplevel
   raise ConfigError(msg)
+
+
+def check_config(config, num_devices: int) -> tuple[int, int]:
+  """Static checks of a run config; returns the resolved (replica, shard) mesh shape."""
+  try:
+    mesh_shape = resolve_mesh_shape(tuple(config.mesh), num_devices)
+  except ValueError as e:
+    hint = ("; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "(scripts/train.py sets 8)" if jax.default_backend() == "cpu" else "")
+    raise ConfigError(f"config.mesh={tuple(config.mesh)}: {e}{hint}") from None
+  n = math.prod(mesh_shape)
+  b, k = config.data.batch_size, config.train.grad_accum
+  if b % (n * jax.process_count()) or b % n:
+    raise ConfigError(f"config.data.batch_size={b} must be divisible by the {n} devices of "
+                      f"mesh {mesh_shape} (and by the {jax.process_count()} processes)")
+  if k < 1 or (b // n) % k:
+    raise ConfigError(f"config.train.grad_accum={k} must divide the per-device batch {b // n}")
+  if config.data.eval_batch_size % n:
+    raise ConfigError(f"config.data.eval_batch_size={config.data.eval_batch_size} must be "
+                      f"divisible by the {n} devices")
+  if config.train.steps < 1:
+    raise ConfigError(f"config.train.steps={config.train.steps} must be >= 1")
+  return mesh_shape
 
 
 def _nbytes(x: Any) -> int:

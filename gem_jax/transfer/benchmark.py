@@ -34,6 +34,7 @@ from gem_jax.data import registry as data_registry
 from gem_jax.data.avazu import APP_SITE_ID
 from gem_jax.data.synthetic import rank_auc
 from gem_jax.train import loop
+from gem_jax.train import setup as setup_lib
 from gem_jax.transfer import generate
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import planted  # noqa: F401  (registers 'transfer_planted')
@@ -86,7 +87,7 @@ def teacher_config(base, data: dict, steps: int, batch_size: int) -> ml_collecti
 
 def student_blocks():
   """(model GEMConfig, embedding block, optim block) of every student variant."""
-  model = ttrain.student_model_config(_cfg(dict(preset="tiny", dtype="float32", overrides=dict(
+  model = setup_lib.model_config(_cfg(dict(preset="tiny", dtype="float32", overrides=dict(
       d_model=16, num_blocks=1, wukong_nf=4, wukong_nl=4, wukong_k=4, wukong_mlp=(32,),
       trunk_hidden=(32,), head_hidden=(16,)))))
   emb = _cfg(dict(dim=16, optimizer="rowwise_adagrad", lr=0.05, warmup_steps=0, sharding="auto",

@@ -25,9 +25,8 @@ from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax.data import pipeline
-from gem_jax.parallel import sharding as shd
 from gem_jax.train import checkpoint as ckpt_lib
-from gem_jax.train import loop
+from gem_jax.train import setup as setup_lib
 from gem_jax.train import step as step_lib
 from gem_jax.transfer import knowledge as kn
 
@@ -53,28 +52,16 @@ def restore_teacher(config, workdir: str, batch_size: int, step: int | None = No
   The embedding plan is made for `batch_size` (the generation batch), and the
   canonical tables of the checkpoint are laid out for it (`import_state`).
   """
-  s = loop.setup(with_batch_size(config, batch_size))
+  s = setup_lib.setup(with_batch_size(config, batch_size))
   ckpt = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None,
                                     keep=1)
   try:
-    restored = ckpt.restore(loop.checkpoint_abstract(s.abstract, s.plan), step=step)
+    state, restored = setup_lib.restore(s, ckpt, step)
   finally:
     ckpt.close()
   if restored is None:
     raise FileNotFoundError(f"no teacher checkpoint in {os.path.join(workdir, 'checkpoints')}")
-  state = restored.state.replace(emb=emb_lib.import_state(s.plan, restored.state.emb))
   return Teacher(s, state, restored.step)
-
-
-def device_putter(plan, mesh) -> Callable[[dict], dict]:
-  """Host batch -> global device batch: ids through the id policy, rows split over the mesh."""
-  ids_sh = plan.ids_shardings()
-
-  def put(batch):
-    batch = dict(batch)
-    batch["ids"] = emb_lib.prepare_ids(plan, batch["ids"])
-    return pipeline.global_batch(batch, shd.batch_shardings(batch, mesh, ids_sh))
-  return put
 
 
 def teacher_outputs(model, inputs, fields: Sequence[str]) -> dict:
@@ -143,9 +130,8 @@ def generate_knowledge(teacher: Teacher, source, out_dir: str, *, batch_size: in
     raise ValueError("the source's DataSpec differs from the teacher's: knowledge generation "
                      "needs the features the teacher was trained on")
   os.makedirs(out_dir, exist_ok=True)
-  put = device_putter(s.plan, s.mesh)
-  it = source.batches(batch_size // pc, process_index=pi, process_count=pc, seed=seed,
-                      repeat=False)
+  put = setup_lib.device_putter(s.plan, s.mesh)
+  it = source.batches(batch_size, process_index=pi, process_count=pc, seed=seed, repeat=False)
   writer = kn.KnowledgeWriter(out_dir, pi, rows_per_shard)
   fwd, n = None, 0
   with pipeline.Prefetcher(it, put_fn=lambda b: (b, put(b)), size=2) as batches:

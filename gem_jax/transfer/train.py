@@ -2,8 +2,9 @@
 
   1. sources: the student's data (`config.data`) zipped with the teacher's
      knowledge of it (`config.knowledge.train` / `.eval`, see knowledge.py);
-  2. `build_student_run`: mesh, embedding plan, StudentBundle, optimizer,
-     abstract state and shardings, step config (frozen masks), compiled lazily;
+  2. `build_student_run`: the trainer's setup pieces (`gem_jax.train.setup`: plan,
+     optimizers, abstract state and shardings) for a StudentBundle, plus the
+     step config (frozen masks), compiled lazily;
   3. `init_student_state`: initialise into the shardings, then copy shared
      tables/blocks from the teacher's checkpoint (`share_from_teacher`);
   4. `train_steps`, `evaluate_student`: the loop and one eval pass.
@@ -11,11 +12,11 @@
     python -m gem_jax.transfer.train --config configs/student_planted.py --workdir runs/student
 
 Train and eval read with one global batch size (`config.data.batch_size`),
-the one the knowledge was generated with.
+the one the knowledge was generated with; every process reads its
+`batch_size // process_count` rows of each global batch (the sources split it).
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -26,19 +27,14 @@ import numpy as np
 
 from gem_jax import embedding as emb_lib
 from gem_jax.data import pipeline
-from gem_jax.data import registry as data_registry
 from gem_jax.data.spec import DataSpec
-from gem_jax.models.config import get_config as model_config
 from gem_jax.parallel.mesh import make_mesh, resolve_mesh_shape
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
-from gem_jax.train import loop
-from gem_jax.train import metrics as metrics_lib
-from gem_jax.train import optim
+from gem_jax.train import setup as setup_lib
 from gem_jax.train import state as state_lib
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import step as tstep
-from gem_jax.transfer.generate import device_putter
 from gem_jax.transfer.student import (StudentBundle, TransferOptions, frozen_row_ranges,
                                       share_from_teacher, student_flops, trainable_mask)
 
@@ -87,29 +83,25 @@ def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, st
     steps: training steps (for the lr schedule).  batch_size: global batch size.
     opts: the transfer options.  shared_vocab: feature -> table it reads.
   """
-  plan = loop.make_plan(spec, emb_cfg, mesh, batch_size, shared_vocab)
+  plan = setup_lib.make_plan(spec, emb_cfg, mesh, batch_size, shared_vocab)
   feature_dims = {f.name: emb_cfg.dim for f in spec.sparse}
   model_fn = lambda rngs: StudentBundle(model_cfg, spec, feature_dims, opts, rngs=rngs)  # noqa: E731
-  tx, schedule = optim.optimizer_from_config(optim_cfg, steps)
-  sparse_lr = optim.sparse_lr_schedule(emb_cfg.lr, emb_cfg.get("warmup_steps", 0))
-  acc_fn = lambda: metrics_lib.init_accumulators(len(spec.tasks), spec.num_domains)  # noqa: E731
-  emb_init = functools.partial(emb_lib.init_embedding_state, plan)
-  abstract, shardings = state_lib.abstract_train_state(model_fn, tx, plan, emb_init, acc_fn, mesh)
+  p = setup_lib.state_parts(model_fn, plan, spec, mesh, optim_cfg, emb_cfg, steps,
+                            skip_counter=False)
   frozen_tables = opts.share_tables if opts.freeze_shared else ()
   table_of = {f: (shared_vocab or {}).get(f, f) for f in plan.features}
   frozen = tuple(sorted({table_of.get(t, t) for t in frozen_tables}))
   step_cfg = tstep.StudentStepConfig(
-      state_lib.model_graphdef(model_fn), plan, tx, schedule, sparse_lr, spec, opts,
-      trainable_mask(abstract.params, opts), frozen_row_ranges(plan, frozen))
-  return StudentRun(mesh, spec, plan, model_cfg, feature_dims, opts, tx, step_cfg, abstract,
-                    shardings, model_fn, acc_fn, emb_init, {})
+      p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec, opts,
+      trainable_mask(p.abstract.params, opts), frozen_row_ranges(plan, frozen))
+  return StudentRun(mesh, spec, plan, model_cfg, feature_dims, opts, p.tx, step_cfg, p.abstract,
+                    p.shardings, model_fn, p.acc_fn, p.emb_init, {})
 
 
 def init_student_state(run: StudentRun, seed: int, teacher=None) -> state_lib.TrainState:
   """A fresh student state in its shardings; shared parts copied from `teacher` (a
   `generate.Teacher` or anything with `.state.params` and `.setup.plan`)."""
-  state = state_lib.init_train_state(jax.random.key(seed), run.model_fn, run.tx, run.emb_init,
-                                     run.acc_fn, run.shardings)
+  state = setup_lib.init_state(run, seed)
   if run.opts.share_tables or run.opts.share_blocks:
     if teacher is None:
       raise ValueError("share_tables/share_blocks need the teacher (its checkpoint)")
@@ -130,11 +122,12 @@ def _compiled(run: StudentRun, kind: str, batch_shardings):
 def train_steps(run: StudentRun, state, source, *, steps: int, batch_size: int, seed: int = 0,
                 data_state: dict | None = None, log_every: int = 0,
                 log_fn: Callable[[int, dict], None] | None = None):
-  """Trains `steps` steps from `state` on `source` batches; returns (state, data state, last)."""
+  """Trains `steps` steps from `state` on `source` batches (`batch_size` global rows each);
+  returns (state, data state, last)."""
   pc, pi = jax.process_count(), jax.process_index()
-  it = source.batches(batch_size // pc, process_index=pi, process_count=pc, seed=seed,
+  it = source.batches(batch_size, process_index=pi, process_count=pc, seed=seed,
                       repeat=True, state=data_state)
-  put = device_putter(run.plan, run.mesh)
+  put = setup_lib.device_putter(run.plan, run.mesh)
   last, running, n = {}, None, 0
   with pipeline.Prefetcher(it, put_fn=put, size=2) as batches:
     for i in range(steps):
@@ -156,11 +149,11 @@ def train_steps(run: StudentRun, state, source, *, steps: int, batch_size: int, 
 
 def evaluate_student(run: StudentRun, state, source, *, batch_size: int, seed: int = 0,
                      max_batches: int | None = None) -> tuple[Any, dict]:
-  """One pass over `source` (repeat=False): {'eval_auc', 'eval_ne', ... per task/domain}."""
+  """One pass over `source` (repeat=False, `batch_size` global rows a batch):
+  {'eval_auc', 'eval_ne', ... per task/domain}."""
   pc, pi = jax.process_count(), jax.process_index()
-  it = source.batches(batch_size // pc, process_index=pi, process_count=pc, seed=seed,
-                      repeat=False)
-  put = device_putter(run.plan, run.mesh)
+  it = source.batches(batch_size, process_index=pi, process_count=pc, seed=seed, repeat=False)
+  put = setup_lib.device_putter(run.plan, run.mesh)
   batches = (put(b) for b in it)
   first = next(batches)
   fn = _compiled(run, "eval", jax.tree.map(lambda x: x.sharding, first))
@@ -170,12 +163,6 @@ def evaluate_student(run: StudentRun, state, source, *, batch_size: int, seed: i
 
 
 # ------------------------------------------------------------------ config-driven --
-
-def student_model_config(model_block):
-  overrides = {k: tuple(v) if isinstance(v, list) else v
-               for k, v in model_block.get("overrides", {}).items()}
-  return model_config(model_block.preset, dtype=model_block.get("dtype", "float32"), **overrides)
-
 
 def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   """Trains the student of `config` (see configs/student_planted.py); returns the summary.
@@ -189,15 +176,14 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   """
   from gem_jax.transfer import generate  # pylint: disable=import-outside-toplevel
   mesh = make_mesh(resolve_mesh_shape(tuple(config.mesh), jax.device_count()))
-  train_raw, eval_raw = data_registry.make_sources(config.data)
+  train_raw, eval_raw, shared = setup_lib.sources(config)
   train_src = kn.KnowledgeSource(train_raw, config.knowledge.train)
   eval_src = kn.KnowledgeSource(eval_raw, config.knowledge.eval)
   dims = train_src.fields
   field = config.transfer.get("teacher_emb") or None
   opts = options_from_config(config.transfer, int(np.prod(dims[field])) if field else 0)
-  shared = (getattr(train_raw, "shared_vocab", None) if config.embedding.share_tables else None)
   b = config.data.batch_size
-  run = build_student_run(train_src.spec, mesh, student_model_config(config.model),
+  run = build_student_run(train_src.spec, mesh, setup_lib.model_config(config.model),
                           config.embedding, config.optim, steps=config.train.steps,
                           batch_size=b, opts=opts, shared_vocab=shared)
   if (opts.share_tables or opts.share_blocks) and teacher is None:
@@ -218,7 +204,7 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
         f.write(json.dumps(row, default=float) + "\n")
     with ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None,
                                     keep=1) as ckpt:
-      ckpt.save(int(state.step), loop.checkpoint_tree(state, run.plan),
+      ckpt.save(int(state.step), setup_lib.checkpoint_tree(state, run.plan),
                 data_state={"train": data_state}, config=config, force=True)
   return summary
 

@@ -1,0 +1,332 @@
+"""Config -> the objects of a run: one way to build it, for every entry point.
+
+  tables, features = embedding_configs(spec, config.embedding, shared)
+  plan = make_plan(spec, config.embedding, mesh, batch_size, shared)
+  model_fn = model_factory(config.model, spec, feature_dims)   # MODELS: class + FLOPs
+  s = setup(config)                        # everything but the arrays (a `Setup`)
+  state, data_position, step = restore_or_init(s, ckpt, seed)
+  ckpt.save(step, checkpoint_tree(state, s.plan), ...)
+
+Used by the trainer (loop.py), evaluation (evaluate.py), the benchmark and the
+scale projection (bench/), knowledge generation and the student run (transfer/).
+Every config problem is a `validate.ConfigError`, raised before anything compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+from gem_jax import embedding as emb_lib
+from gem_jax import flops as flops_lib
+from gem_jax.data import pipeline
+from gem_jax.data import registry as data_registry
+from gem_jax.data.spec import DataSpec
+from gem_jax.models import config as model_config_lib
+from gem_jax.parallel import distributed as dist
+from gem_jax.parallel import sharding as shd
+from gem_jax.parallel.mesh import make_mesh
+from gem_jax.train import metrics as metrics_lib
+from gem_jax.train import nonfinite
+from gem_jax.train import optim
+from gem_jax.train import report
+from gem_jax.train import state as state_lib
+from gem_jax.train import step as step_lib
+from gem_jax.train import validate
+from gem_jax.train.validate import ConfigError
+
+
+# ------------------------------------------------------------------ tables --
+
+def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tuple[list, list]:
+  """One table per sparse feature (rows = its vocab, width = emb_cfg.dim).
+
+  Pooled features are sum-pooled bags; sequence item features are looked up
+  per event (pooling 'none', bag = the stream length). `shared` maps a feature
+  to another feature whose table it reads (e.g. a history of ad categories
+  and the candidate's category share one table, as the source declares with
+  `shared_vocab`).
+  """
+  shared = dict(shared or {})
+  seq_len = {f: s.max_len for s in spec.sequences for f in s.item_features}
+  tables, features = [], []
+  for f in spec.sparse:
+    table = shared.get(f.name, f.name)
+    if table == f.name:
+      tables.append(emb_lib.TableConfig(f.name, rows=f.vocab, dim=emb_cfg.dim,
+                                        sharding=emb_cfg.sharding, id_policy=emb_cfg.id_policy,
+                                        vocab=f.vocab))
+    if f.name in seq_len:
+      features.append(emb_lib.FeatureConfig(f.name, table, bag=seq_len[f.name], pooling="none"))
+    else:
+      features.append(emb_lib.FeatureConfig(f.name, table, bag=f.bag, pooling="sum"))
+  return tables, features
+
+
+def sparse_optimizer(emb_cfg) -> emb_lib.SparseOptimizerConfig:
+  return emb_lib.SparseOptimizerConfig(kind=emb_cfg.optimizer, lr=emb_cfg.lr)
+
+
+def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | None = None, *,
+              replica_sync: str | None = None):
+  """The embedding plan (any mesh, an AbstractMesh too); over the memory budget: ConfigError.
+
+  `replica_sync` None: the config's `embedding.replica_sync` (default 'auto').
+  """
+  tables, features = embedding_configs(spec, emb_cfg, shared)
+  budget = emb_cfg.get("memory_budget_gb")
+  try:
+    return emb_lib.plan_embeddings(
+        tables, features, mesh, batch_size=batch_size, optimizer=sparse_optimizer(emb_cfg),
+        memory_budget_bytes=int(budget * 2**30) if budget else None,
+        replica_sync=replica_sync or emb_cfg.get("replica_sync", "auto"))
+  except ValueError as e:
+    raise ConfigError(f"embedding plan: {e}") from None
+
+
+def sources(config) -> tuple[Any, Any, dict | None]:
+  """(train source, eval source, shared tables or None) of the `data` block."""
+  try:
+    train_src, eval_src = data_registry.make_sources(config.data)
+  except (FileNotFoundError, OSError) as e:
+    raise ConfigError(f"config.data ({config.data.kind}): {e}") from None
+  shared = getattr(train_src, "shared_vocab", None) if config.embedding.share_tables else None
+  return train_src, eval_src, shared
+
+
+# ------------------------------------------------------------------ models --
+
+class ModelEntry(NamedTuple):
+  """A model name of `config.model.name`: its class and its forward FLOPs per example."""
+  module: str          # imported when the model is built
+  cls: str
+  flops: Callable[[Any, DataSpec, dict], float]   # (GEMConfig, spec, feature dims) -> FLOPs
+
+
+def _gem_flops(cfg, spec, dims) -> float:
+  return flops_lib.gem_flops(cfg, spec, dims)["total"]
+
+
+def _dlrm_flops(interaction: str) -> Callable:
+  return lambda cfg, spec, dims: flops_lib.dlrm_flops(cfg, spec, dims, interaction)["total"]
+
+
+def _linear_flops(cfg, spec, dims) -> float:
+  del cfg
+  from gem_jax.models import linear  # pylint: disable=import-outside-toplevel
+  return linear.linear_flops(spec, dims)
+
+
+MODELS: dict[str, ModelEntry] = {
+    "gem": ModelEntry("gem_jax.models.gem", "GEM", _gem_flops),
+    "dlrm": ModelEntry("gem_jax.models.dlrm", "DLRM", _dlrm_flops("dot")),
+    "dcnv2": ModelEntry("gem_jax.models.dlrm", "DCNv2", _dlrm_flops("dcn")),
+    "lr": ModelEntry("gem_jax.models.linear", "LinearModel", _linear_flops),
+}
+
+
+def register_model(name: str, module: str, cls: str, flops: Callable) -> None:
+  """Adds a model name (e.g. an ablation defined outside the package, scripts/results.sh)."""
+  MODELS[name] = ModelEntry(module, cls, flops)
+
+
+def model_entry(name: str) -> ModelEntry:
+  if name not in MODELS:
+    raise ConfigError(f"config.model.name={name!r}: expected one of {sorted(MODELS)}")
+  return MODELS[name]
+
+
+def model_config(model_cfg):
+  """The GEMConfig of a `model` block: preset, then the block's dtype/fp8/remat, then overrides.
+
+  dtype defaults to float32; fp8 and remat override the preset only where the
+  block sets them (remat None, '' or 'none' = no rematerialisation).
+  """
+  overrides = {k: tuple(v) if isinstance(v, list) else v
+               for k, v in model_cfg.get("overrides", {}).items()}
+  kw = dict(dtype=model_cfg.get("dtype", "float32"))
+  if "fp8" in model_cfg:
+    kw["fp8"] = model_cfg.fp8
+  if "remat" in model_cfg:
+    kw["remat"] = None if model_cfg.remat in (None, "", "none") else model_cfg.remat
+  try:
+    return model_config_lib.get_config(model_cfg.preset, **kw, **overrides)
+  except (KeyError, TypeError) as e:
+    raise ConfigError(f"config.model (preset {model_cfg.preset!r}, overrides "
+                      f"{sorted(overrides)}): {e}") from None
+
+
+def model_factory(model_cfg, spec: DataSpec, feature_dims: dict) -> Callable[[nnx.Rngs], nnx.Module]:
+  """rngs -> model, from the `model` block (name, preset, overrides, dtype, fp8, remat)."""
+  entry = model_entry(model_cfg.name)
+  cfg = model_config(model_cfg)
+  cls = getattr(importlib.import_module(entry.module), entry.cls)
+  return lambda rngs: cls(cfg, spec, feature_dims, rngs=rngs)
+
+
+def train_flops_per_example(model_cfg, spec: DataSpec, feature_dims: dict) -> float:
+  """Analytic training FLOPs per example: 3 x the model entry's forward count
+  (sequences at their padded lengths; embedding gathers count 0)."""
+  fwd = model_entry(model_cfg.name).flops(model_config(model_cfg), spec, feature_dims)
+  return float(flops_lib.train_flops(fwd))
+
+
+def xla_flops_per_example(compiled, batch_size: int) -> float | None:
+  """FLOPs per example from XLA's cost analysis of the compiled (per-device) step
+  (logged next to the analytic count as a cross-check; it includes the optimizer,
+  loss and exchange work the analytic count leaves out)."""
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) * jax.device_count() / batch_size
+  except (KeyError, TypeError, IndexError, AttributeError):
+    return None
+
+
+# ------------------------------------------------------- optimizer + state --
+
+class StateParts(NamedTuple):
+  """The optimizers and the abstract state of a model on a plan (no arrays)."""
+  tx: Any
+  schedule: Callable
+  sparse_lr: Callable
+  abstract: state_lib.TrainState
+  shardings: state_lib.TrainState
+  acc_fn: Callable
+  emb_init: Callable
+  graphdef: Any
+
+
+def state_parts(model_fn: Callable, plan, spec: DataSpec, mesh, optim_cfg, emb_cfg, steps: int,
+                *, skip_counter: bool = True) -> StateParts:
+  """Dense + sparse optimizers (lr schedules over `steps`), abstract state and its shardings.
+
+  `skip_counter`: the dense optimizer counts the steps skipped for non-finite
+  values (checkpointed; the trainer's guard reads it).
+  """
+  tx, schedule = optim.optimizer_from_config(optim_cfg, steps)
+  if skip_counter:
+    tx = nonfinite.with_skip_counter(tx)
+  sparse_lr = optim.sparse_lr_schedule(emb_cfg.lr, emb_cfg.get("warmup_steps", 0))
+  n_tasks, n_domains = len(spec.tasks), spec.num_domains
+  acc_fn = lambda: metrics_lib.init_accumulators(n_tasks, n_domains)  # noqa: E731
+  emb_init = lambda key: emb_lib.init_embedding_state(plan, key)  # noqa: E731
+  abstract, shardings = state_lib.abstract_train_state(model_fn, tx, plan, emb_init, acc_fn, mesh)
+  return StateParts(tx, schedule, sparse_lr, abstract, shardings, acc_fn, emb_init,
+                    state_lib.model_graphdef(model_fn))
+
+
+def init_state(run, seed: int) -> state_lib.TrainState:
+  """A fresh state in its shardings (`run`: a Setup or a transfer StudentRun: anything
+  with model_fn, tx, emb_init, acc_fn and shardings)."""
+  return state_lib.init_train_state(jax.random.key(seed), run.model_fn, run.tx, run.emb_init,
+                                    run.acc_fn, run.shardings)
+
+
+# ----------------------------------------------------------------- batches --
+
+def host_batch(plan, batch: dict, collisions: report.IdCollisions | None = None) -> dict:
+  """Host-side preparation of this process's rows: ids through the tables' id policy
+  (-> int32 in range); with `collisions`, the batch's id collisions are counted into it."""
+  batch = dict(batch)
+  raw = batch["ids"]
+  batch["ids"] = emb_lib.prepare_ids(plan, raw, process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+  if collisions is not None:
+    collisions.add(emb_lib.table_collisions(plan, raw, batch["ids"]))
+  return batch
+
+
+def device_putter(plan, mesh, collisions: report.IdCollisions | None = None):
+  """Host batch (this process's rows) -> global device batch split over the mesh."""
+  ids_sh = plan.ids_shardings()
+
+  def put(batch):
+    batch = host_batch(plan, batch, collisions)
+    return pipeline.global_batch(batch, shd.batch_shardings(batch, mesh, ids_sh))
+  return put
+
+
+# ------------------------------------------------------------------- setup --
+
+class Setup(NamedTuple):
+  """What a run is made of (built once by `setup`; plain values, no behaviour)."""
+  mesh: Any
+  spec: DataSpec
+  train_src: Any
+  eval_src: Any
+  plan: Any
+  eval_plan: Any
+  model_fn: Callable
+  feature_dims: dict
+  tx: Any
+  step_cfg: step_lib.StepConfig
+  eval_cfg: step_lib.StepConfig
+  abstract: state_lib.TrainState
+  shardings: state_lib.TrainState
+  acc_fn: Callable
+  emb_init: Callable
+
+
+def setup(config) -> Setup:
+  """Validates `config` and builds everything up to (not including) the arrays.
+
+  Every config error surfaces here, before anything is compiled or allocated.
+  """
+  mesh = make_mesh(validate.check_config(config, jax.device_count()))
+  train_src, eval_src, shared = sources(config)
+  spec = train_src.spec
+  validate.check_embedding(spec, config.embedding, shared)
+  plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared)
+  eval_plan = (plan if config.data.eval_batch_size == config.data.batch_size else
+               make_plan(spec, config.embedding, mesh, config.data.eval_batch_size, shared))
+  feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
+  model_fn = model_factory(config.model, spec, feature_dims)
+  p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, config.train.steps)
+  step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,
+                                 config.train.grad_accum)
+  eval_cfg = dataclasses.replace(step_cfg, plan=eval_plan, grad_accum=1)
+  return Setup(mesh, spec, train_src, eval_src, plan, eval_plan, model_fn, feature_dims, p.tx,
+               step_cfg, eval_cfg, p.abstract, p.shardings, p.acc_fn, p.emb_init)
+
+
+# ------------------------------------------------------------- checkpoints --
+
+def checkpoint_tree(state: state_lib.TrainState, plan) -> state_lib.TrainState:
+  """The saved form: embedding state as unpadded canonical arrays (any mesh can restore).
+
+  Every leaf handed to the asynchronous save is a fresh copy: the next step donates
+  the live state, and on CPU the save's host view of a buffer can be the buffer itself.
+  """
+  fresh = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
+                       state.replace(emb=None))
+  return fresh.replace(emb=emb_lib.export_state(plan, state.emb))
+
+
+def checkpoint_abstract(abstract: state_lib.TrainState, plan) -> state_lib.TrainState:
+  """Abstract `checkpoint_tree` on this plan's mesh (canonical tables as the plan lays them out)."""
+  canon = jax.eval_shape(lambda e: emb_lib.export_state(plan, e), abstract.emb)
+  canon = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                       canon, plan.canonical_shardings())
+  return abstract.replace(emb=canon)
+
+
+def restore(s, ckpt, step: int | None = None):
+  """(state laid out for `s.plan`, the restored checkpoint) of the latest (or `step`)
+  checkpoint of `ckpt`, or (None, None) if it holds none."""
+  restored = ckpt.restore(checkpoint_abstract(s.abstract, s.plan), step=step)
+  if restored is None:
+    return None, None
+  return restored.state.replace(emb=emb_lib.import_state(s.plan, restored.state.emb)), restored
+
+
+def restore_or_init(s: Setup, ckpt, seed: int):
+  """(state, train data position or None, restored step or None)."""
+  state, restored = restore(s, ckpt)
+  if restored is None:
+    return init_state(s, seed), None, None
+  data = restored.data_state or {}
+  return state, dist.own_data_position(data.get("train")), restored.step
