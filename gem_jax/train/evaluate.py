@@ -93,7 +93,8 @@ def evaluate(s: setup_lib.Setup, fn, state, config):
 def eval_fn(s: setup_lib.Setup, config):
   """`eval_step` jitted for the eval batches' shardings (taken from one eval batch)."""
   first = next(iter(_eval_batches(s, config)))
-  batch_sh = jax.tree.map(lambda x: x.sharding, setup_lib.device_putter(s.eval_plan, s.mesh)(first))
+  put = setup_lib.device_putter(s.eval_plan, s.mesh)
+  batch_sh = jax.tree.map(lambda x: x.sharding, put(first))
   return jit_eval_step(s.eval_cfg, s.shardings, batch_sh)
 
 

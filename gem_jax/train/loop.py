@@ -34,6 +34,7 @@ from gem_jax.train import nonfinite
 from gem_jax.train import preemption
 from gem_jax.train import report
 from gem_jax.train import setup as setup_lib
+from gem_jax.train import step as step_lib
 from gem_jax.train import validate
 from gem_jax.train import watchdog as watchdog_lib
 
@@ -79,8 +80,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   batch = next(batches)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
   train_fn, timing = report.timed_compile(
-      nonfinite.jit_guarded_train_step(s.step_cfg, s.shardings, batch_sh,
-                                       config.train.get("inject_nan_step", 0)), state, batch)
+      step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh, skip_nonfinite=True,
+                              inject_nan_step=config.train.get("inject_nan_step", 0)),
+      state, batch)
   compile_s = timing.lower_s + timing.compile_s
   eval_fn = None
   flops = setup_lib.train_flops_per_example(config.model, s.spec, s.feature_dims)
