@@ -13,15 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.kind = "adult"
-  c.data.train = os.path.join(base.DATA, "uci_adult_train.csv")
-  c.data.eval = os.path.join(base.DATA, "uci_adult_test.csv")
-  c.data.shuffle_buffer = 8192
-  c.data.vocab_size = 1024            # table rows per categorical (<= 42 values each)
-  c.train.steps = 600
-  c.train.eval_every = 200
-  c.train.checkpoint_every = 200
+  c.data.update(kind="adult", train=os.path.join(base.DATA, "uci_adult_train.csv"),
+                eval=os.path.join(base.DATA, "uci_adult_test.csv"), shuffle_buffer=8192,
+                vocab_size=1024)  # table rows per categorical (<= 42 values each)
+  c.train.update(steps=600, eval_every=200, checkpoint_every=200)
   return c

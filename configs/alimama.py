@@ -16,18 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.kind = "alimama"
-  c.data.train = os.path.join(base.DATA, "alimama_display_dmr_500.csv")
-  c.data.eval = os.path.join(base.DATA, "alimama_display_dmr_500.csv")
-  c.data.batch_size = 64
-  c.data.eval_batch_size = 64
-  c.data.shuffle_buffer = 500
-  c.data.vocab_size = 1 << 15         # table rows per id feature
+  c.data.update(kind="alimama", train=os.path.join(base.DATA, "alimama_display_dmr_500.csv"),
+                eval=os.path.join(base.DATA, "alimama_display_dmr_500.csv"), batch_size=64,
+                eval_batch_size=64, shuffle_buffer=500, vocab_size=1 << 15)
   c.optim.warmup_steps = 10
-  c.train.steps = 100
-  c.train.eval_every = 50
-  c.train.checkpoint_every = 50
+  c.train.update(steps=100, eval_every=50, checkpoint_every=50)
   return c

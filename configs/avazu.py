@@ -18,13 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.kind = "avazu"
-  c.data.train = os.path.join(base.DATA, "avazu_9k_train.csv")
-  c.data.eval = os.path.join(base.DATA, "avazu_9k_dev.csv")
-  c.data.shuffle_buffer = 4096
-  c.data.vocab_size = 1 << 15         # hash buckets per categorical (table rows)
+  c.data.update(kind="avazu", train=os.path.join(base.DATA, "avazu_9k_train.csv"),
+                eval=os.path.join(base.DATA, "avazu_9k_dev.csv"), shuffle_buffer=4096,
+                vocab_size=1 << 15)  # hash buckets per categorical (table rows)
   c.train.steps = 300
   return c

@@ -19,13 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.kind = "criteo"
-  c.data.train = os.path.join(base.DATA, "criteo_kaggle_8k_train.tsv")
-  c.data.eval = os.path.join(base.DATA, "criteo_kaggle_8k_dev.tsv")
-  c.data.shuffle_buffer = 4096
-  c.data.vocab_size = 1 << 15         # hash buckets per categorical (table rows)
+  c.data.update(kind="criteo", train=os.path.join(base.DATA, "criteo_kaggle_8k_train.tsv"),
+                eval=os.path.join(base.DATA, "criteo_kaggle_8k_dev.tsv"), shuffle_buffer=4096,
+                vocab_size=1 << 15)  # hash buckets per categorical (table rows)
   c.train.steps = 300
   return c

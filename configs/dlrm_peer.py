@@ -27,31 +27,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   import gem_jax.bench.peer  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   c = base.get_config()
-  c.data.kind = "torchrec_synthetic"   # registered by gem_jax.bench.peer; its fields' defaults
-  c.data.batch_size = 4096             # are the peer's: 8 tables x 100k rows, 1 id, Zipf 1.05
-  c.data.eval_batch_size = 4096
-  c.data.eval_examples = 4096
-  c.model.name = "dlrm"                # 'dcnv2' for the --interaction dcn peer
-  c.model.preset = "dlrm_torchrec"     # d_model 64, bottom (512, 256), top (512, 256)
+  # data.kind registered by gem_jax.bench.peer; its fields' defaults are the peer's
+  # (8 tables x 100k rows, 1 id per table, Zipf 1.05, seed 0, 32 batches)
+  c.data.update(kind="torchrec_synthetic", batch_size=4096, eval_batch_size=4096,
+                eval_examples=4096)
+  # name 'dcnv2' for the --interaction dcn peer; preset d_model 64, bottom (512, 256),
+  # top (512, 256); bf16 compute, parameters stay fp32
+  c.model.update(name="dlrm", preset="dlrm_torchrec", dtype="bfloat16")
   c.model.overrides.update(dcn_layers=3, dcn_rank=512)
-  c.model.dtype = "bfloat16"           # compute; parameters stay fp32
-  c.embedding.dim = 64
-  c.embedding.optimizer = "sgd"
-  c.embedding.lr = 0.1
-  c.embedding.id_policy = "error"      # the peer's ids are already row ids in range
-  c.embedding.memory_budget_gb = 8.0
-  c.embedding.share_tables = False
-  c.optim.name = "sgd"
-  c.optim.lr = 0.1
-  c.optim.warmup_steps = 0
-  c.optim.decay = "constant"
-  c.optim.clip_norm = 0.0
-  c.train.steps = 100
-  c.train.log_every = 20
-  c.train.eval_batches = 1
-  c.train.checkpoint_every = 0
-  c.train.keep = 1
+  # the peer's ids are already row ids in range ('error'); one table per feature
+  c.embedding.update(dim=64, optimizer="sgd", lr=0.1, id_policy="error", memory_budget_gb=8.0,
+                     share_tables=False)
+  c.optim.update(name="sgd", lr=0.1, warmup_steps=0, decay="constant", clip_norm=0.0)
+  c.train.update(steps=100, log_every=20, eval_batches=1, checkpoint_every=0, keep=1)
   return c

@@ -19,24 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (-1, 8)
-  c.data.preset = "small"
-  c.data.batch_size = 65536
-  c.data.eval_batch_size = 65536
-  c.data.eval_examples = 1_000_000
-  c.model.preset = "large"
-  c.model.dtype = "bfloat16"
-  c.model.remat = "dots"
-  c.embedding.dim = 256
-  c.embedding.memory_budget_gb = 60.0
-  c.optim.lr = 5e-4
-  c.optim.warmup_steps = 2000
-  c.optim.weight_decay = 1e-4
-  c.train.steps = 200_000
-  c.train.log_every = 100
-  c.train.eval_every = 10_000
-  c.train.checkpoint_every = 2000
-  c.train.keep = 3
+  c.data.update(preset="small", batch_size=65536, eval_batch_size=65536, eval_examples=1_000_000)
+  c.model.update(preset="large", dtype="bfloat16", remat="dots")
+  c.embedding.update(dim=256, memory_budget_gb=60.0)
+  c.optim.update(lr=5e-4, warmup_steps=2000, weight_decay=1e-4)
+  c.train.update(steps=200_000, log_every=100, eval_every=10_000, checkpoint_every=2000, keep=3)
   return c

@@ -19,21 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
-  c.data.preset = "small"
-  c.data.batch_size = 8192
-  c.data.eval_batch_size = 8192
-  c.data.eval_examples = 200_000
-  c.model.preset = "medium"
-  c.model.dtype = "bfloat16"
-  c.embedding.dim = 128
-  c.embedding.memory_budget_gb = 60.0
-  c.optim.warmup_steps = 1000
-  c.optim.weight_decay = 1e-4
-  c.train.steps = 50_000
-  c.train.log_every = 100
-  c.train.eval_every = 5000
-  c.train.checkpoint_every = 5000
-  c.train.keep = 3
+  c.data.update(preset="small", batch_size=8192, eval_batch_size=8192, eval_examples=200_000)
+  c.model.update(preset="medium", dtype="bfloat16")
+  c.embedding.update(dim=128, memory_budget_gb=60.0)
+  c.optim.update(warmup_steps=1000, weight_decay=1e-4)
+  c.train.update(steps=50_000, log_every=100, eval_every=5000, checkpoint_every=5000, keep=3)
   return c

@@ -20,15 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.kind = "movielens"
-  c.data.train = os.path.join(base.DATA, "movielens_latest_small_2016_ratings.csv")
-  c.data.eval = os.path.join(base.DATA, "movielens_latest_small_2016_ratings.csv")
-  c.data.movies = os.path.join(base.DATA, "movielens_latest_small_2016_movies.csv")
-  c.data.shuffle_buffer = 8192
-  c.data.vocab_size = 1 << 16         # table rows for user / item ids
-  c.train.eval_every = 250
-  c.train.checkpoint_every = 250
+  ratings = os.path.join(base.DATA, "movielens_latest_small_2016_ratings.csv")
+  c.data.update(kind="movielens", train=ratings, eval=ratings,  # a time split of one file
+                movies=os.path.join(base.DATA, "movielens_latest_small_2016_movies.csv"),
+                shuffle_buffer=8192, vocab_size=1 << 16)  # table rows for user / item ids
+  c.train.update(eval_every=250, checkpoint_every=250)
   return c

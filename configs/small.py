@@ -30,20 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.preset = "small"
-  c.data.eval_batch_size = 1024
-  c.data.eval_examples = 20_000
+  c.data.update(preset="small", eval_batch_size=1024, eval_examples=20_000)
   c.model.overrides.num_blocks = 1
-  c.embedding.lr = 1.0
-  c.embedding.id_policy = "error"
-  c.embedding.memory_budget_gb = 1.0
-  c.optim.lr = 4e-3
-  c.optim.warmup_steps = 10
-  c.train.steps = 2000
-  c.train.log_every = 100
-  c.train.eval_every = 1000
-  c.train.checkpoint_every = 1000
+  c.embedding.update(lr=1.0, id_policy="error", memory_budget_gb=1.0)
+  c.optim.update(lr=4e-3, warmup_steps=10)
+  c.train.update(steps=2000, log_every=100, eval_every=1000, checkpoint_every=1000)
   return c

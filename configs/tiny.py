@@ -17,21 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
 
 
+
 def get_config():
   c = base.get_config()
   c.mesh = (2, -1)
-  c.data.preset = "tiny"
-  c.data.batch_size = 64
-  c.data.eval_batch_size = 64
-  c.data.eval_examples = 512
+  c.data.update(preset="tiny", batch_size=64, eval_batch_size=64, eval_examples=512)
   c.model.preset = "tiny"
-  c.embedding.dim = 8
-  c.embedding.memory_budget_gb = 1.0
-  c.optim.lr = 3e-3
-  c.optim.warmup_steps = 2
-  c.train.steps = 6
-  c.train.log_every = 1
-  c.train.eval_every = 3
-  c.train.eval_batches = 2
-  c.train.checkpoint_every = 3
+  c.embedding.update(dim=8, memory_budget_gb=1.0)
+  c.optim.update(lr=3e-3, warmup_steps=2)
+  c.train.update(steps=6, log_every=1, eval_every=3, eval_batches=2, checkpoint_every=3)
   return c

@@ -14,25 +14,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402  pylint: disable=wrong-import-position  (configs/base.py: the schema)
-
 import gem_jax.transfer.planted  # noqa: E402,F401  (registers data.kind 'transfer_planted')
 
 
 def get_config():
   c = base.get_config()
-  c.data.kind = "transfer_planted"
-  c.data.role = "teacher"
-  c.data.train_examples = 0          # 0: an endless stream
-  c.data.eval_examples = 8192
+  c.data.update(kind="transfer_planted", role="teacher", eval_examples=8192,
+                train_examples=0)  # 0: an endless stream
   c.model.preset = "tiny"
   c.model.overrides.update(
       d_model=16, num_blocks=1, wukong_nf=4, wukong_nl=4, num_cls=2, num_pma=1, num_recent=1,
       num_x_summary=2, num_queries=1, trunk_hidden=(32,), pyramid=(1.0,))
   c.embedding.memory_budget_gb = 1.0
   c.optim.lr = 3e-3
-  c.train.steps = 600
-  c.train.log_every = 100
-  c.train.eval_every = 600
-  c.train.checkpoint_every = 600
-  c.train.keep = 1
+  c.train.update(steps=600, log_every=100, eval_every=600, checkpoint_every=600, keep=1)
   return c
