@@ -1,24 +1,26 @@
-"""The student train and eval steps: pure functions over the trainer's `TrainState`.
+"""The student train and eval steps: the trainer's steps with the student's loss, masks
+and forward (no step of its own).
 
-Per step, for a global batch B (raw features + `batch['teacher']` knowledge):
+  train: train.step.train_step(state, batch, cfg=step_cfg, loss_fn=student_loss(opts),
+                               trainable=trainable_mask, frozen=frozen rows,
+                               skip_nonfinite=True)
+  eval:  train.evaluate.eval_step(state, batch, cfg=eval_cfg, forward=student_forward(opts))
 
-  e               = pool_rows(plan, gather_rows(plan, emb, ids))      as in train/step.py
+so the student gets everything the trainer's step does (RNG advance, the
+non-finite guard, grad_accum, activation pinning). What is the student's:
+
   inputs          = model_inputs(batch, e) [+ teacher_emb = knowledge[field]]
   s               = student(inputs)                                    (B, T)
   z~              = z_T or adapter(z_T, dense, domain)                 (B, T)
-  L, parts        = transfer_loss(s, y, m, z_T, z~, valid, w, T)        gem_jax.transfer.losses
-  g               = dL/d(params, e); frozen params: g = 0 and update = 0
-  params, emb     = AdamW(params, g), sparse optimizer(emb, g_rows)
-  emb[frozen rows]= emb_old[frozen rows]                               bit-identical sharing
-
-It reuses the trainer's pieces (`TrainState`, `model_inputs`, the embedding
-engine's gather/pool/update, the optimizer) and adds only the transfer loss,
-the extra input and the freezing, so `gem_jax/train/step.py` stays unchanged.
+  terms           = transfer_loss(s, y, m, z_T, z~, valid, w, T)        gem_jax.transfer.losses
+                    {hard: over observed labels, soft: over valid rows, adapt: over labels}
+  frozen params   (trainable False): gradient and update 0
+  frozen tables   rows kept bit for bit by the sparse update; adapter-only runs
+                  (train_student=False) freeze every buffer whole (no sparse update)
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -26,16 +28,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from gem_jax import embedding as emb_lib
 from gem_jax.data.spec import DataSpec
-from gem_jax.parallel import sharding
-from gem_jax.train import metrics as metrics_lib
+from gem_jax.train import evaluate as eval_lib
+from gem_jax.train import step as step_lib
 from gem_jax.train.state import TrainState
-from gem_jax.train.step import global_norm, model_inputs
+from gem_jax.train.step import model_inputs
 from gem_jax.transfer import losses
-from gem_jax.transfer.student import TransferOptions, apply_mask
-
-METRICS = ("train_loss", "loss_hard", "loss_soft", "loss_adapt", "grad_norm", "lr")
+from gem_jax.transfer.student import TransferOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +49,7 @@ class StudentStepConfig:
     opts: the TransferOptions.
     trainable: params-shaped pytree of Python bools (`student.trainable_mask`).
     frozen_rows: {buffer: ((start, stop), ...)} of frozen tables.
+    grad_accum: micro-batches per step.
   """
   graphdef: Any
   plan: Any
@@ -60,6 +60,29 @@ class StudentStepConfig:
   opts: TransferOptions
   trainable: Any
   frozen_rows: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  grad_accum: int = 1
+
+  @property
+  def step_cfg(self) -> step_lib.StepConfig:
+    """The trainer's StepConfig of this student."""
+    return step_lib.StepConfig(self.graphdef, self.plan, self.tx, self.schedule, self.sparse_lr,
+                               self.spec, self.grad_accum)
+
+  @property
+  def frozen(self) -> dict:
+    """The `frozen` rows of the step: every buffer whole when only the adapter trains."""
+    if not self.opts.train_student:
+      return {name: ((0, buf.rows),) for name, buf in self.plan.buffers.items()}
+    return dict(self.frozen_rows)
+
+  def train_kwargs(self) -> dict:
+    """`train_step`'s keyword arguments for the student (loss, masks, the guard)."""
+    return dict(loss_fn=student_loss(self.opts), trainable=self.trainable, frozen=self.frozen,
+                skip_nonfinite=True)
+
+  def eval_kwargs(self) -> dict:
+    """`eval_step`'s keyword arguments for the student (its forward)."""
+    return dict(forward=student_forward(self.opts))
 
 
 def student_inputs(spec: DataSpec, batch: dict, emb: dict, opts: TransferOptions) -> dict:
@@ -70,10 +93,17 @@ def student_inputs(spec: DataSpec, batch: dict, emb: dict, opts: TransferOptions
   return inputs
 
 
+def student_forward(opts: TransferOptions) -> Callable:
+  """forward(model, spec, batch, emb) -> the student's logits (B, T) (for `eval_step`)."""
+  def forward(model, spec, batch, emb):
+    return model.student(student_inputs(spec, batch, emb, opts)).astype(jnp.float32)
+  return forward
+
+
 def loss_fn(params, emb, batch, model_state, graphdef, spec, opts: TransferOptions):
   """(L, parts) of the student (and adapter) on one batch."""
   model = nnx.merge(graphdef, params, model_state)
-  s = model.student(student_inputs(spec, batch, emb, opts)).astype(jnp.float32)  # (B, T)
+  s = student_forward(opts)(model, spec, batch, emb)  # (B, T)
   if not opts.uses_teacher_logits:
     return losses.transfer_loss(s, batch["labels"], batch["label_mask"])
   kn = batch["teacher"]
@@ -85,57 +115,41 @@ def loss_fn(params, emb, batch, model_state, graphdef, spec, opts: TransferOptio
       temperature=opts.temperature)
 
 
+def student_loss(opts: TransferOptions) -> step_lib.Loss:
+  """The student's `Loss`: terms hard / soft / adapt (reported as loss_hard, ...)."""
+  def terms(params, emb, batch, model_state, graphdef, spec):
+    return loss_fn(params, emb, batch, model_state, graphdef, spec, opts)[1]
+
+  def counts(batch):
+    m = jnp.sum(batch["label_mask"])
+    v = jnp.sum(batch["teacher"]["valid"]) if opts.uses_teacher_logits else m
+    return {"hard": m, "soft": v, "adapt": m}
+  return step_lib.Loss(terms, counts)
+
+
 def student_train_step(state: TrainState, batch: dict, *, cfg: StudentStepConfig
                        ) -> tuple[TrainState, dict]:
-  """One optimizer step of the student run. Pure; jit with donate_argnums=0."""
-  plan = cfg.plan
-  rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
-  emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
-  dense = {k: v for k, v in batch.items() if k not in ("ids", "weights")}
-  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-  with sharding.activation_sharding(plan.mesh):
-    (loss, parts), (g_params, g_emb) = grad_fn(state.params, emb, dense, state.model_state,
-                                               cfg.graphdef, cfg.spec, cfg.opts)
-  g_params = apply_mask(g_params, cfg.trainable)
-  updates, opt_state = cfg.tx.update(g_params, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, apply_mask(updates, cfg.trainable))
-  if not cfg.opts.train_student:
-    new_emb = state.emb  # adapter-only: the student's tables are frozen too
-  else:
-    (g_rows,) = pool_vjp(g_emb)
-    new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows,
-                                           lr=cfg.sparse_lr(state.step), frozen=cfg.frozen_rows)
-  metrics = {"train_loss": loss, "loss_hard": parts["hard"], "loss_soft": parts["soft"],
-             "loss_adapt": parts["adapt"], "grad_norm": global_norm(g_params),
-             "lr": jnp.asarray(cfg.schedule(state.step), jnp.float32)}
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=new_emb)
-  return new_state, metrics
+  """One optimizer step of the student run: the trainer's step. Pure; donate the state."""
+  return step_lib.train_step(state, batch, cfg=cfg.step_cfg, **cfg.train_kwargs())
 
 
 def jit_student_train_step(cfg: StudentStepConfig, state_shardings: TrainState,
                            batch_shardings: dict):
-  """`student_train_step` jitted once with explicit shardings, the state donated."""
-  rep = jax.sharding.NamedSharding(state_shardings.rng.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(functools.partial(student_train_step, cfg=cfg),
-                 in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, {k: rep for k in METRICS}),
-                 donate_argnums=0)
+  """The trainer's jitted step with the student's loss and masks."""
+  return step_lib.jit_train_step(cfg.step_cfg, state_shardings, batch_shardings,
+                                 **cfg.train_kwargs())
 
 
 def student_eval_step(state: TrainState, batch: dict, *, cfg: StudentStepConfig) -> dict:
   """The metric accumulators after adding the student's predictions on `batch`."""
-  emb = emb_lib.lookup(cfg.plan, state.emb, batch["ids"], batch.get("weights"))
-  model = nnx.merge(cfg.graphdef, state.params, state.model_state)
-  logits = model.student(student_inputs(cfg.spec, batch, emb, cfg.opts)).astype(jnp.float32)
-  return metrics_lib.update(state.metrics, logits, batch["labels"], batch["label_mask"],
-                            batch["domain"])
+  return eval_lib.eval_step(state, batch, cfg=cfg.step_cfg, **cfg.eval_kwargs())
 
 
 def jit_student_eval_step(cfg: StudentStepConfig, state_shardings: TrainState,
                           batch_shardings: dict):
-  return jax.jit(functools.partial(student_eval_step, cfg=cfg),
-                 in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=state_shardings.metrics)
+  """The trainer's jitted eval step with the student's forward."""
+  return eval_lib.jit_eval_step(cfg.step_cfg, state_shardings, batch_shardings,
+                                **cfg.eval_kwargs())
 
 
 def adapter_eval_logits(state: TrainState, batch: dict, *, cfg: StudentStepConfig) -> jax.Array:
