@@ -170,7 +170,7 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   Args:
     config: the student run config (data, knowledge, teacher, model, embedding,
       optim, train, transfer blocks).
-    workdir: where metrics.jsonl and the final checkpoint go (None: nowhere).
+    workdir: where metrics.jsonl (process 0) and the final checkpoint go (None: nowhere).
     teacher: an already restored teacher for parameter sharing (else restored
       from `config.teacher` when sharing is configured).
   """
@@ -199,9 +199,10 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   summary = {**last, **ev, "step": int(state.step), "student_flops_per_example": flops}
   if workdir is not None:
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
-      for row in log + [summary]:
-        f.write(json.dumps(row, default=float) + "\n")
+    if jax.process_index() == 0:  # one writer (the metrics are global values)
+      with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        for row in log + [summary]:
+          f.write(json.dumps(row, default=float) + "\n")
     with ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"), save_every=None,
                                     keep=1) as ckpt:
       ckpt.save(int(state.step), setup_lib.checkpoint_tree(state, run.plan),
