@@ -281,8 +281,7 @@ def setup(config) -> Setup:
   spec = train_src.spec
   validate.check_embedding(spec, config.embedding, shared)
   plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared)
-  eval_plan = (plan if config.data.eval_batch_size == config.data.batch_size else
-               make_plan(spec, config.embedding, mesh, config.data.eval_batch_size, shared))
+  eval_plan = plan.with_batch_size(config.data.eval_batch_size)  # the train placement
   feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
   model_fn = model_factory(config.model, spec, feature_dims)
   p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, config.train.steps)
