@@ -122,13 +122,6 @@ def inject_nan(batch: dict, hit: jax.Array) -> dict:
   return dict(batch, dense=jnp.where(hit, jnp.full_like(dense, jnp.nan), dense))
 
 
-def jit_guarded_train_step(cfg, state_shardings, batch_shardings, inject_nan_step: int = 0):
-  """Alias of `step.jit_train_step(..., skip_nonfinite=True)` for callers not yet switched."""
-  from gem_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
-  return step_lib.jit_train_step(cfg, state_shardings, batch_shardings, skip_nonfinite=True,
-                                 inject_nan_step=inject_nan_step)
-
-
 class NonFinitePolicy:
   """Host side of `train.nonfinite`: `check(step, metrics)` after every step.
 
