@@ -73,7 +73,7 @@ def options_from_config(t, teacher_emb_dim: int = 0) -> TransferOptions:
 
 def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, steps: int,
                       batch_size: int, opts: TransferOptions,
-                      shared_vocab: dict | None = None) -> StudentRun:
+                      shared_vocab: dict | None = None, grad_accum: int = 1) -> StudentRun:
   """Plans and abstract state of a student (nothing allocated, nothing compiled).
 
   Args:
@@ -82,6 +82,7 @@ def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, st
     emb_cfg, optim_cfg: the `embedding` / `optim` blocks (as in the trainer configs).
     steps: training steps (for the lr schedule).  batch_size: global batch size.
     opts: the transfer options.  shared_vocab: feature -> table it reads.
+    grad_accum: micro-batches per step (the trainer's step does the accumulation).
   """
   plan = setup_lib.make_plan(spec, emb_cfg, mesh, batch_size, shared_vocab)
   feature_dims = {f.name: emb_cfg.dim for f in spec.sparse}
@@ -93,7 +94,7 @@ def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, st
   frozen = tuple(sorted({table_of.get(t, t) for t in frozen_tables}))
   step_cfg = tstep.StudentStepConfig(
       p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec, opts,
-      trainable_mask(p.abstract.params, opts), frozen_row_ranges(plan, frozen))
+      trainable_mask(p.abstract.params, opts), frozen_row_ranges(plan, frozen), grad_accum)
   return StudentRun(mesh, spec, plan, model_cfg, feature_dims, opts, p.tx, step_cfg, p.abstract,
                     p.shardings, model_fn, p.acc_fn, p.emb_init, {})
 
