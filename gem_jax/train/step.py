@@ -146,15 +146,16 @@ def _total(terms: dict) -> jax.Array:
 
 def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
                loss: Loss = BCE):
-  """(terms, g_params, g_emb) of `loss` (the sum of its terms), over `grad_accum` micro-batches."""
+  """(loss, terms, g_params, g_emb) of `loss` (the sum of its terms), over `grad_accum`
+  micro-batches."""
   def total(p, e, b):
     t = loss.terms(p, e, b, model_state, graphdef, spec)
     return _total(t), t
 
   grad_fn = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)
   if grad_accum == 1:
-    (_, terms), (g_params, g_emb) = grad_fn(params, emb, batch)
-    return terms, g_params, g_emb
+    (total_loss, terms), (g_params, g_emb) = grad_fn(params, emb, batch)
+    return total_loss, terms, g_params, g_emb
   k = grad_accum
   full = {n: jnp.maximum(c, 1.0) for n, c in loss.counts(batch).items()}
   micro = jax.tree.map(lambda x: _to_micro(x, k), (emb, batch))
@@ -179,15 +180,15 @@ def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
   zeros = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), full),
            jax.tree.map(jnp.zeros_like, params))
   (terms, g_params), g_emb = jax.lax.scan(body, zeros, micro)
-  return terms, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
+  return _total(terms), terms, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
 
 
 def dense_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
                 loss: Loss = BCE):
   """(loss, g_params, g_emb) of the masked mean loss, over `grad_accum` micro-batches."""
-  terms, g_params, g_emb = loss_grads(params, emb, batch, model_state, graphdef, spec,
-                                      grad_accum, loss)
-  return _total(terms), g_params, g_emb
+  total_loss, _, g_params, g_emb = loss_grads(params, emb, batch, model_state, graphdef, spec,
+                                              grad_accum, loss)
+  return total_loss, g_params, g_emb
 
 
 def _masked(tree, mask):
@@ -220,9 +221,9 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
   rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
   with sharding.activation_sharding(plan.mesh):
-    terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch), state.model_state,
-                                        cfg.graphdef, cfg.spec, cfg.grad_accum, loss_fn)
-  loss = _total(terms)
+    loss, terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch),
+                                              state.model_state, cfg.graphdef, cfg.spec,
+                                              cfg.grad_accum, loss_fn)
   (g_rows,) = pool_vjp(g_emb)
   if trainable is not None:
     g_params = _masked(g_params, trainable)
