@@ -24,12 +24,8 @@ LEVELS = {"data": 0, "embedding": 0, "hostmem": 0, "parallel": 1, "layers": 2, "
 # (importer package, imported package) pairs allowed against the rule, with the reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-# Import circles allowed, with the reason (each goes when its reason does).
-ALLOWED_CIRCLES: dict[frozenset, str] = {
-    frozenset({"gem_jax.train.nonfinite", "gem_jax.train.step"}):
-        "nonfinite.jit_guarded_train_step imports step inside the function: a transitional "
-        "alias of step.jit_train_step(skip_nonfinite=True) that no caller uses any more",
-}
+# Import circles allowed (frozenset of modules -> the reason); none today.
+ALLOWED_CIRCLES: dict[frozenset, str] = {}
 
 
 def _modules() -> dict[str, str]:
