@@ -25,7 +25,8 @@ from ml_collections import config_flags
 
 from gem_jax.bench import runner
 from gem_jax.models import config as model_config_lib
-from gem_jax.train import loop
+from gem_jax.train import setup as setup_lib
+from gem_jax.train import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -188,15 +189,15 @@ def compiles():
 
 @pytest.mark.parametrize("name", ("tiny", "small"))
 def test_cpu_configs_validate_on_8_devices(name):
-  assert loop.check_config(load(name), 8) in ((2, 4),)
+  assert validate.check_config(load(name), 8) in ((2, 4),)
 
 
 def test_large_mesh_needs_more_devices_than_one_node():
   c = load("large")
-  assert loop.check_config(c, 16) == (2, 8)
+  assert validate.check_config(c, 16) == (2, 8)
   c.mesh = (4, 8)
-  with pytest.raises(loop.ConfigError, match=r"needs 32 devices but only 8"):
-    loop.check_config(c, 8)
+  with pytest.raises(validate.ConfigError, match=r"needs 32 devices but only 8"):
+    validate.check_config(c, 8)
 
 
 def _tiny(**over):
@@ -220,8 +221,8 @@ def test_config_errors_before_compiling(compiles, over, message):
   if "mesh" in over:
     c.mesh = over["mesh"]
   before = compiles.n
-  with pytest.raises(loop.ConfigError, match=message):
-    loop.setup(c)
+  with pytest.raises(validate.ConfigError, match=message):
+    setup_lib.setup(c)
   assert compiles.n == before
 
 
@@ -231,8 +232,8 @@ def test_missing_data_is_a_config_error(compiles, tmp_path):
   c.data.train = str(tmp_path / "nope" / "train.tsv")
   c.data.eval = str(tmp_path / "nope" / "eval.tsv")
   before = compiles.n
-  with pytest.raises(loop.ConfigError, match=r"config.data \(criteo\).*nope"):
-    loop.setup(c)
+  with pytest.raises(validate.ConfigError, match=r"config.data \(criteo\).*nope"):
+    setup_lib.setup(c)
   assert compiles.n == before
 
 
@@ -249,3 +250,10 @@ def test_unknown_field_on_the_command_line():
   assert "train.stepz" in err and "steps" in err
   assert "Traceback" not in proc.stderr
   assert not os.path.exists("/nonexistent/never_created")
+
+
+def test_bench_overrides_are_checked_against_the_schema():
+  c = runner.load_config("tiny", {"train.stop_at": 2, "data.batch_size": 128})
+  assert c.train.stop_at == 2 and c.data.batch_size == 128
+  with pytest.raises(ValueError, match=r"config tiny: unknown field 'train\.stepz'"):
+    runner.load_config("tiny", {"train.stepz": 1})

@@ -66,12 +66,19 @@ def load_config(name: str, overrides: dict[str, Any] | None = None):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   config = mod.get_config()
+  config.lock()  # an override of an undeclared field (configs/base.py) is an error, as on the CLI
+  config.model.overrides.unlock()  # the one open block: GEMConfig fields (checked by get_config)
   for key, value in (overrides or {}).items():
     parts = key.split(".")
     node = config
-    for p in parts[:-1]:
-      node = node[p]
-    node[parts[-1]] = value
+    try:
+      for p in parts[:-1]:
+        node = node[p]
+      node[parts[-1]] = value
+    except (AttributeError, KeyError):
+      raise ValueError(f"config {name}: unknown field {key!r} (configs/base.py declares "
+                       "every field)") from None
+  config.unlock()
   return config
 
 

@@ -39,11 +39,6 @@ from gem_jax.train import validate
 from gem_jax.train import watchdog as watchdog_lib
 
 
-# tests/test_configs.py (the config-schema change) still reads these from here.
-ConfigError = validate.ConfigError
-check_config = validate.check_config
-setup = setup_lib.setup
-
 
 # --------------------------------------------------------------------- loop --
 
@@ -63,7 +58,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       keep=config.train.keep, best_metric=config.train.best_metric)
   state, data_state, restored_step = setup_lib.restore_or_init(s, ckpt, config.seed)
   step, steps, batch_size = int(state.step), config.train.steps, config.data.batch_size
-  stop_at = config.train.get("stop_at", 0) or steps  # < steps: simulated preemption
+  stop_at = config.train.stop_at or steps  # < steps: simulated preemption
   if restored_step is not None:
     logging.info("resumed from the checkpoint at step %d", restored_step)
 
@@ -73,7 +68,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                  seed=config.seed, repeat=True, state=data_state)
   hashed = any(t.id_policy != "error" for t in s.plan.tables.values())
   collisions = (report.IdCollisions()
-                if hashed and config.train.get("id_collision_metrics", True) else None)
+                if hashed and config.train.id_collision_metrics else None)
   batches = pipeline.Prefetcher(train_it, put_fn=setup_lib.device_putter(s.plan, s.mesh,
                                                                         collisions),
                                 size=2)
@@ -81,7 +76,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
   train_fn, timing = report.timed_compile(
       step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh, skip_nonfinite=True,
-                              inject_nan_step=config.train.get("inject_nan_step", 0)),
+                              inject_nan_step=config.train.inject_nan_step),
       state, batch)
   compile_s = timing.lower_s + timing.compile_s
   eval_fn = None
@@ -100,10 +95,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
   summary, last, running, n_log = {}, {}, None, 0
   t_log = time.perf_counter()
-  nf_policy = nonfinite.NonFinitePolicy(config.train.get("nonfinite", "skip"),
-                                        config.train.get("max_rollbacks", 3))
+  nf_policy = nonfinite.NonFinitePolicy(config.train.nonfinite,
+                                        config.train.max_rollbacks)
   preempt = preemption.PreemptionWatcher(
-      check_every=config.train.get("preempt_check_every", 1)).install()
+      check_every=config.train.preempt_check_every).install()
   try:
     while step < min(steps, stop_at):
       if profiler.starts_at(step):  # the trace holds steps only: no async checkpoint write or
@@ -210,7 +205,7 @@ def run_and_print(fn: Callable[..., dict], *args) -> dict:
   one JSON line on stdout (process 0)."""
   try:
     out = fn(*args)
-  except ConfigError as e:
+  except validate.ConfigError as e:
     raise SystemExit(f"config error: {e}") from None
   if jax.process_index() == 0:
     print(json.dumps(out, default=float), flush=True)
