@@ -118,6 +118,7 @@ def student_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000                # train steps
   c.train.log_every = 0               # steps between logged train metrics; 0: none
+  c.train.grad_accum = 1              # micro-batches per step (exact: the same gradient)
 
   c.knowledge = ml_collections.ConfigDict()
   c.knowledge.train = ""              # knowledge of data.train (generate_knowledge.py --out)

@@ -200,3 +200,21 @@ def test_student_eval_is_the_trainers_eval_step(monkeypatch):
   want = evaluate.jit_eval_step(st.cfg.step_cfg, st.shardings, st.sh(batch))(state, batch)
   assert _equal(got, want)  # the student's logits are the bundle's here
   assert any(np.any(x) for x in jax.tree.leaves(_host(got)))
+
+
+def test_student_config_grad_accum_must_divide_the_per_device_batch():
+  """configs/base.py's student schema declares train.grad_accum; train_student checks it
+  before reading any data (student_planted: batch 128)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from gem_jax.train import validate  # pylint: disable=import-outside-toplevel
+  from gem_jax.transfer import train as ttrain  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(__file__), "..", "configs", "student_planted.py")
+  spec = importlib.util.spec_from_file_location("student_planted_cfg", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  per_device = c.data.batch_size // jax.device_count()
+  c.train.grad_accum = per_device + 1
+  with pytest.raises(validate.ConfigError, match=rf"grad_accum={per_device + 1} must divide"):
+    ttrain.train_student(c)

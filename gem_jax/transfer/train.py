@@ -33,6 +33,7 @@ from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
 from gem_jax.train import setup as setup_lib
 from gem_jax.train import state as state_lib
+from gem_jax.train import validate
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import step as tstep
 from gem_jax.transfer.student import (StudentBundle, TransferOptions, frozen_row_ranges,
@@ -177,6 +178,10 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   """
   from gem_jax.transfer import generate  # pylint: disable=import-outside-toplevel
   mesh = make_mesh(resolve_mesh_shape(tuple(config.mesh), jax.device_count()))
+  per_device, k = config.data.batch_size // mesh.size, config.train.grad_accum
+  if k < 1 or per_device % k:
+    raise validate.ConfigError(f"config.train.grad_accum={k} must divide the per-device "
+                               f"batch {per_device}")
   train_raw, eval_raw, shared = setup_lib.sources(config)
   train_src = kn.KnowledgeSource(train_raw, config.knowledge.train)
   eval_src = kn.KnowledgeSource(eval_raw, config.knowledge.eval)
@@ -186,7 +191,8 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
   b = config.data.batch_size
   run = build_student_run(train_src.spec, mesh, setup_lib.model_config(config.model),
                           config.embedding, config.optim, steps=config.train.steps,
-                          batch_size=b, opts=opts, shared_vocab=shared)
+                          batch_size=b, opts=opts, shared_vocab=shared,
+                          grad_accum=config.train.grad_accum)
   if (opts.share_tables or opts.share_blocks) and teacher is None:
     teacher = generate.restore_teacher(_load_config(config.teacher.config),
                                        config.teacher.workdir, b)
