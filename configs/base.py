@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.pool = 32                    # torchrec_synthetic: distinct batches, cycled
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = "gem"                # gem | dlrm | dcnv2 | lr (gem_jax.train.loop)
+  c.model.name = "gem"                # gem | dlrm | dcnv2 | lr | fm | fwfm (gem_jax.train.loop)
   c.model.preset = "small"            # size preset of that model (gem_jax.models)
   c.model.overrides = ml_collections.ConfigDict()  # model-config fields replacing the preset's
   c.model.dtype = "float32"           # compute dtype (parameters stay fp32): float32 | bfloat16

@@ -120,11 +120,22 @@ def _linear_flops(cfg, spec, dims) -> float:
   return linear.linear_flops(spec, dims)
 
 
+def _fm_flops(name: str) -> Callable:
+  """FLOPs of gem_jax.models.fm's `name` ('fm_flops' or 'fwfm_flops'), imported when called."""
+  def flops(cfg, spec, dims) -> float:
+    del cfg
+    from gem_jax.models import fm  # pylint: disable=import-outside-toplevel
+    return getattr(fm, name)(spec, dims)
+  return flops
+
+
 MODELS: dict[str, ModelEntry] = {
     "gem": ModelEntry("gem_jax.models.gem", "GEM", _gem_flops),
     "dlrm": ModelEntry("gem_jax.models.dlrm", "DLRM", _dlrm_flops("dot")),
     "dcnv2": ModelEntry("gem_jax.models.dlrm", "DCNv2", _dlrm_flops("dcn")),
     "lr": ModelEntry("gem_jax.models.linear", "LinearModel", _linear_flops),
+    "fm": ModelEntry("gem_jax.models.fm", "FM", _fm_flops("fm_flops")),
+    "fwfm": ModelEntry("gem_jax.models.fm", "FwFM", _fm_flops("fwfm_flops")),
 }
 
 
