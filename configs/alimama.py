@@ -2,6 +2,10 @@
 
 The shared sample is one 500-row file, so by default train and eval read the
 same file: a smoke test of the sequence path on real data, not a benchmark.
+The default run is one pass (train.epochs=1: 500 rows = 8 steps of 64),
+evaluated every 4 steps; the best checkpoint by eval log loss is kept and the
+run stops early after 2 evaluations without a new best (`--config.train.steps=N`,
+N > 0, sets the length instead: configs/base.py).
 Domains are the two ad slots (pid). Point `data.train`/`data.eval` at the full
 DMR `alimama_sampled.txt` splits for a real run:
 
@@ -23,6 +27,7 @@ def get_config():
   c.data.update(kind="alimama", train=os.path.join(base.DATA, "alimama_display_dmr_500.csv"),
                 eval=os.path.join(base.DATA, "alimama_display_dmr_500.csv"), batch_size=64,
                 eval_batch_size=64, shuffle_buffer=500, vocab_size=1 << 15)
-  c.optim.warmup_steps = 10
-  c.train.update(steps=100, eval_every=50, checkpoint_every=50)
+  c.optim.warmup_steps = 2
+  c.train.update(steps=0, epochs=1.0, eval_every=4, checkpoint_every=4,
+                 best_metric="eval_logloss", early_stop_patience=2)
   return c

@@ -9,6 +9,18 @@ tests/test_configs.py fails when a run config adds a field of its own. The one
 open block is `model.overrides`: fields of the model's config (gem_jax.models),
 checked when the model is built.
 
+How long a run trains (gem_jax.train.setup.resolve_steps, one rule):
+`train.steps > 0` is the number of steps, whatever `train.epochs` says; with
+`train.steps = 0` the run makes `train.epochs` passes over `data.train`,
+ceil(epochs * rows / data.batch_size) steps, rows being what the train source
+reports (file sources: the files' line count, bad and blank lines included;
+generated ones: `data.train_examples`). The dataset configs (criteo, avazu,
+adult, alimama, movielens) set steps = 0, epochs = 1, so `--config.train.steps=N`
+still sets their length. `train.early_stop_patience = N > 0` ends the run (with a
+checkpoint) after N evaluations in a row that do not improve on the best
+`train.best_metric` so far; the run's summary reports the best evaluation next
+to the last.
+
 Run configs import this module by its path, which works however they are loaded
 (absl `config_flags`, gem_jax.bench.runner.load_config, importlib in tests):
 
@@ -87,13 +99,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.clip_norm = 1.0             # global gradient-norm clip; 0: none
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000                # train steps
+  c.train.steps = 1000                # train steps; 0: train.epochs passes (see the module doc)
+  c.train.epochs = 0.0                # with steps = 0: passes over data.train (may be fractional)
   c.train.log_every = 25              # steps between logged (and written) train metrics
   c.train.eval_every = 100            # steps between evaluations; 0: only at the end
   c.train.eval_batches = 0            # batches per evaluation; 0: a full pass over data.eval
   c.train.checkpoint_every = 100      # steps between checkpoints; 0: only at the end
   c.train.keep = 2                    # recent checkpoints kept (plus the best)
-  c.train.best_metric = "eval_auc"    # metric whose best checkpoint is kept
+  c.train.best_metric = "eval_auc"    # eval metric whose best checkpoint is kept (auc: max,
+                                      # logloss/ne: min); early stopping watches it too
+  c.train.early_stop_patience = 0     # > 0: stop after this many evals without a new best
   c.train.grad_accum = 1              # micro-batches per step (must divide the per-device batch)
   c.train.profile_steps = ""          # 'A,B': trace steps [A, B) into the workdir; '' off
   c.train.compile_cache = ""          # XLA cache dir; '' = $GEM_JAX_COMPILE_CACHE or ~/.cache

@@ -5,6 +5,11 @@ ratings (strictly earlier timestamps, most recent first). Train/eval is a time
 split of the same ratings file at the `split_quantile` hour (or at
 `split_timestamp`, unix seconds, when > 0). Defaults read the shared
 ml-latest-small copy (`$GEM_JAX_DATA` or ../shared/data beside the checkout).
+The default run is one pass over the train period (train.epochs=1: its 80,018
+examples = 313 steps of 256; counting them reads the ratings once), evaluated
+every 100 steps; the best checkpoint by eval log loss is kept and the run stops
+early after 2 evaluations without a new best. `--config.train.steps=N` (> 0)
+sets the length instead (configs/base.py).
 
   python scripts/train.py --config configs/movielens.py --workdir runs/movielens
   python scripts/train.py --config configs/movielens.py --workdir runs/ml25m \
@@ -28,5 +33,6 @@ def get_config():
   c.data.update(kind="movielens", train=ratings, eval=ratings,  # a time split of one file
                 movies=os.path.join(base.DATA, "movielens_latest_small_2016_movies.csv"),
                 shuffle_buffer=8192, vocab_size=1 << 16)  # table rows for user / item ids
-  c.train.update(eval_every=250, checkpoint_every=250)
+  c.train.update(steps=0, epochs=1.0, eval_every=100, checkpoint_every=100,
+                 best_metric="eval_logloss", early_stop_patience=2)
   return c

@@ -7,7 +7,10 @@ it and may set only declared fields. tests/config_reference.json freezes every
 config's values as they were before the schema (commit a67030d, generated once
 from `git show a67030d:configs/NAME.py`, paths as <data>/... and <configs>/...);
 a field a config gained from the schema must hold base's default, which is the
-default the code used when the field was absent.
+default the code used when the field was absent. One deliberate change since: the
+dataset configs (criteo, avazu, adult, alimama, movielens) train one pass by default
+(train.steps=0, train.epochs=1, best checkpoint and early stopping by eval log loss;
+criteo and avazu with batches of 128), their reference values updated with them.
 """
 import dataclasses
 import importlib.util
@@ -215,6 +218,11 @@ def _tiny(**over):
     ({"embedding.memory_budget_gb": 1e-6}, r"embedding plan: .*(user|ad|category)"),
     ({"model.preset": "huge"}, r"config.model .*huge"),
     ({"model.name": "bert"}, r"config.model.name='bert'"),
+    ({"train.steps": 0}, r"config.train.steps=0 and config.train.epochs=0: set"),
+    ({"train.steps": -1}, r"config.train.steps=-1 must be >= 1"),
+    ({"train.epochs": -0.5}, r"config.train.epochs=-0.5 must be"),
+    ({"train.early_stop_patience": -1}, r"early_stop_patience=-1 must be >= 0"),
+    ({"train.best_metric": "eval_calibration"}, r"best_metric='eval_calibration'"),
 ])
 def test_config_errors_before_compiling(compiles, over, message):
   c = _tiny(**{k: v for k, v in over.items() if "." in k})
@@ -224,6 +232,26 @@ def test_config_errors_before_compiling(compiles, over, message):
   with pytest.raises(validate.ConfigError, match=message):
     setup_lib.setup(c)
   assert compiles.n == before
+
+
+DATASETS = ("criteo", "avazu", "adult", "alimama", "movielens")
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_dataset_configs_train_one_pass_with_early_stopping(name):
+  t = load(name).train
+  assert (t.steps, t.epochs) == (0, 1.0)          # one pass; --config.train.steps=N wins
+  assert t.best_metric == "eval_logloss" and t.early_stop_patience > 0
+  assert t.checkpoint_every == t.eval_every      # every eval can become the best checkpoint
+  assert "one pass" in module(name).__doc__
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n not in DATASETS])
+def test_other_configs_keep_their_step_counts(name):
+  t = load(name).train
+  assert t.steps > 0
+  if "epochs" in t:  # the trainer schema (a student's train block has neither field)
+    assert t.epochs == 0 and t.early_stop_patience == 0
 
 
 def test_missing_data_is_a_config_error(compiles, tmp_path):

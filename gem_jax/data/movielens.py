@@ -255,6 +255,19 @@ class MovieLensSource(StreamingSource):
   def describe(self) -> str:
     return f"MovieLensSource[{self.split}]({', '.join(self.paths)})"
 
+  def num_rows(self) -> int:
+    """Examples of this split (readable ratings on its side of the split time): one
+    streaming pass over the ratings, counted once and cached."""
+    if getattr(self, "_num_rows", None) is None:
+      n, want_eval = 0, self.split == "eval"
+      for _, _, line in LineStream(self.paths, _is_header):
+        try:
+          n += (parse_rating(line)[3] >= self.split_timestamp) == want_eval
+        except BadRow:
+          continue
+      self._num_rows = n
+    return self._num_rows
+
   def open_stream(self, epoch: int, seed: int) -> UserEventStream:
     del epoch, seed   # file order is data order here (users must stay contiguous)
     return UserEventStream(self)

@@ -5,6 +5,9 @@ A source has `.spec` (a `DataSpec`) and
   .batches(batch_size, *, process_index=0, process_count=1, seed=0,
            repeat=True, state=None) -> iterator of host batches with .state()
 
+and optionally `.num_rows() -> int | None`, the rows of one pass (None: it cannot
+tell), which `train.epochs` turns into steps (gem_jax.train.setup.resolve_steps).
+
 To plug in one's own logs, subclass `StreamingSource` and provide
 
   open_stream(epoch, seed) -> RecordStream   records in file order (tell/seek/next/close)
@@ -23,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gem_jax.data.files import LineStream, expand_paths
+from gem_jax.data.files import LineStream, count_lines, expand_paths
 from gem_jax.data.pipeline import BatchIterator
 from gem_jax.data.spec import DataSpec
 
@@ -61,6 +64,10 @@ class StreamingSource:
   def describe(self) -> str:
     return type(self).__name__
 
+  def num_rows(self) -> int | None:
+    """Rows of one pass, or None when the source cannot tell without reading it (default)."""
+    return None
+
   # -- provided --------------------------------------------------------------------
   def batches(self, batch_size: int, *, process_index: int = 0, process_count: int = 1,
               seed: int = 0, repeat: bool = True, state: dict | None = None) -> BatchIterator:
@@ -88,6 +95,16 @@ class LineSource(StreamingSource):
 
   def describe(self) -> str:
     return f"{type(self).__name__}({', '.join(self.paths)})"
+
+  def num_rows(self) -> int:
+    """Lines of the files (header lines excluded), counted once and cached.
+
+    An approximation of the rows of one pass: blank lines and bad rows (which the
+    reader skips) count too. Costs one read of the files (gzip: one decompression).
+    """
+    if getattr(self, "_num_rows", None) is None:
+      self._num_rows = sum(count_lines(p, type(self).is_header) for p in self.paths)
+    return self._num_rows
 
   def open_stream(self, epoch: int, seed: int) -> LineStream:
     order = list(self.paths)

@@ -14,7 +14,9 @@ complete checkpoints are ever listed or restored; a crash mid-write leaves a
 temporary directory that is ignored (and cleaned up by the next manager).
 
 Retention: the last `keep` checkpoints, plus the best one by `best_metric`
-(among checkpoints saved with that metric), everything else is deleted.
+(among checkpoints saved with that metric), everything else is deleted. Whether
+larger or smaller is better follows from the metric's name
+(`metrics.metric_mode`: AUC max, log loss / NE / loss min) unless `best_mode` says.
 
 Restoring onto another mesh: `restore(abstract_state)` takes a pytree of
 `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` built for the *current*
@@ -33,6 +35,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from gem_jax.train import integrity
+from gem_jax.train import metrics as metrics_lib
 
 _ITEMS = ("state", "data", "config")
 
@@ -62,7 +65,8 @@ class CheckpointManager:
     keep: number of most recent checkpoints kept.
     best_metric: name of the metric (passed to `save(metrics=...)`) whose best
       checkpoint is kept in addition; None keeps only the last `keep`.
-    best_mode: 'max' (e.g. AUC) or 'min' (e.g. loss).
+    best_mode: 'max' (e.g. AUC) or 'min' (e.g. loss); None: from the metric's name
+      (`metrics.metric_mode`; ValueError for a metric without a direction).
     async_save: write in a background thread (`wait()` blocks until done).
 
   Example::
@@ -78,10 +82,12 @@ class CheckpointManager:
   """
 
   def __init__(self, directory: str, *, save_every: int | None = 1000, keep: int = 3,
-               best_metric: str | None = None, best_mode: str = "max",
+               best_metric: str | None = None, best_mode: str | None = None,
                async_save: bool = True):
     if keep < 1:
       raise ValueError(f"keep must be >= 1, got {keep}")
+    if best_mode is None:
+      best_mode = metrics_lib.metric_mode(best_metric) if best_metric else "max"
     if best_mode not in ("max", "min"):
       raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
     self.directory = os.path.abspath(os.fspath(directory))

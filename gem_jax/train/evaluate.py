@@ -13,6 +13,7 @@ checkpoint and evaluates it (scripts/evaluate.py).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Callable, Iterable
 
@@ -73,6 +74,23 @@ def run_evaluation(eval_fn: Callable, state: TrainState, batches: Iterable[dict]
   out = {f"eval_{k}": float(v) for k, v in values.items()}
   out["eval_batches"] = n
   return state, out
+
+
+def vs_base_rate(acc, metrics: dict, task_names) -> tuple[dict, dict]:
+  """An evaluation's log loss against the base rate's: predicting the eval rows' own label
+  rate (label sum / count of the accumulators `acc` just filled: no extra pass) for every
+  row. -> ({'eval_base_rate_logloss': mean over tasks (as eval_logloss), per task
+  'eval_base_rate_logloss/TASK' when there are several, 'worse_than_base_rate': bool},
+  {task: (eval log loss, base rate's) of the tasks where the first is the larger})."""
+  base = metrics_lib.base_rate_logloss(acc, task_names)
+  finite = [v for v in base.values() if math.isfinite(v)]
+  out = {"eval_base_rate_logloss": sum(finite) / len(finite) if finite else float("nan")}
+  if len(task_names) > 1:
+    out.update({f"eval_base_rate_logloss/{t}": v for t, v in base.items()})
+  worse = {t: (metrics[f"eval_logloss/{t}"], base[t]) for t in task_names
+           if metrics.get(f"eval_logloss/{t}", float("nan")) > base[t]}
+  out["worse_than_base_rate"] = bool(worse)
+  return out, worse
 
 
 # ------------------------------------------------------------- a run's eval --

@@ -8,8 +8,16 @@
   4. compile the train/eval steps once (compile time reported on its own);
   5. loop: step; every `log_every` read the metrics on the host (examples/s,
      step time, TFLOP/s per device, MFU) -> JSONL + TensorBoard; every
-     `eval_every` evaluate; every `checkpoint_every` save (async);
-  6. final eval + checkpoint, return the summary dict (the final JSON line).
+     `eval_every` evaluate; every `checkpoint_every` save (async); with
+     `early_stop_patience` N, stop (and save) after N evaluations in a row
+     without a new best `best_metric`;
+  6. final eval + checkpoint, return the summary dict (the final JSON line): the
+     last eval's keys, `best` (the best eval by `best_metric`, with its step),
+     `stopped_early`, and the last eval against the base rate
+     (`eval_base_rate_logloss`, `worse_than_base_rate`; a warning when worse).
+
+The run's length is `s.steps` (setup.resolve_steps: train.steps, or train.epochs
+passes over data.train).
 
 No trainer class: stages 1-3 are `setup.py` (config -> objects, shared with
 evaluation, the benchmarks and knowledge transfer); evaluation passes are
@@ -30,6 +38,7 @@ from gem_jax.data import pipeline
 from gem_jax.parallel import distributed as dist
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
+from gem_jax.train import metrics as metrics_lib
 from gem_jax.train import nonfinite
 from gem_jax.train import preemption
 from gem_jax.train import report
@@ -41,6 +50,51 @@ from gem_jax.train import watchdog as watchdog_lib
 
 
 # --------------------------------------------------------------------- loop --
+
+class EvalRecord:
+  """The evaluations of a run: the best by `metric` so far and early stopping.
+
+  `add(step, metrics, last_step)` -> whether it is a new best (strictly better, in the
+  metric's direction: metrics.metric_mode); `stop` turns true after `patience` (> 0)
+  evaluations in a row that were not, before `last_step` (at the last step the run
+  ends anyway: not early). `state()` / `EvalRecord(..., state=)` carry it
+  through a checkpoint (the 'evals' data entry), so a resumed run keeps its best and
+  its count, and a run that stopped early stays stopped.
+  """
+
+  def __init__(self, metric: str | None, patience: int, state: dict | None = None):
+    self.metric, self.patience = metric or None, int(patience)
+    self.mode = metrics_lib.metric_mode(metric) if self.metric else None
+    state = state or {}
+    self.best: dict | None = state.get("best")
+    self.since_best = int(state.get("since_best", 0))
+    self.stopped_at: int | None = state.get("stopped_at")
+
+  def state(self) -> dict:
+    return {"best": self.best, "since_best": self.since_best, "stopped_at": self.stopped_at}
+
+  def add(self, step: int, metrics: dict, last_step: int) -> bool:
+    if self.metric is None:
+      return False
+    v = metrics.get(self.metric)
+    better = v is not None and math.isfinite(v) and (
+        self.best is None or (v > self.best[self.metric] if self.mode == "max"
+                              else v < self.best[self.metric]))
+    if better:
+      self.best, self.since_best = {"step": int(step), **metrics}, 0
+    else:
+      self.since_best += 1
+    if 0 < self.patience <= self.since_best and step < last_step and self.stopped_at is None:
+      self.stopped_at = int(step)
+      logging.info("early stop at step %d: %s did not improve on %.6g (step %d) in %d "
+                   "evaluations", step, self.metric, self.best[self.metric] if self.best
+                   else float("nan"), self.best["step"] if self.best else -1, self.since_best)
+    return better
+
+  @property
+  def stop(self) -> bool:
+    return self.stopped_at is not None
+
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint); returns the summary."""
@@ -56,8 +110,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   ckpt = ckpt_lib.CheckpointManager(
       os.path.join(workdir, "checkpoints"), save_every=config.train.checkpoint_every,
       keep=config.train.keep, best_metric=config.train.best_metric)
-  state, data_state, restored_step = setup_lib.restore_or_init(s, ckpt, config.seed)
-  step, steps, batch_size = int(state.step), config.train.steps, config.data.batch_size
+  saved: dict = {}
+  state, data_state, restored_step = setup_lib.restore_or_init(s, ckpt, config.seed,
+                                                               saved=saved)
+  step, steps, batch_size = int(state.step), s.steps, config.data.batch_size
+  evals = EvalRecord(config.train.best_metric, config.train.early_stop_patience,
+                     saved.get("evals"))
+  save_best = evals.patience > 0   # early stopping: every new best is checkpointed
   stop_at = config.train.stop_at or steps  # < steps: simulated preemption
   if restored_step is not None:
     logging.info("resumed from the checkpoint at step %d", restored_step)
@@ -93,14 +152,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   profiler = report.Profiler(workdir, config.train.profile_steps)
   progress = report.Progress(steps, initial=step)
   watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
-  summary, last, running, n_log = {}, {}, None, 0
+  summary, last, running, n_log, worse = {}, {}, None, 0, {}
   t_log = time.perf_counter()
   nf_policy = nonfinite.NonFinitePolicy(config.train.nonfinite,
                                         config.train.max_rollbacks)
   preempt = preemption.PreemptionWatcher(
       check_every=config.train.preempt_check_every).install()
   try:
-    while step < min(steps, stop_at):
+    while step < min(steps, stop_at) and not evals.stop:
       if profiler.starts_at(step):  # the trace holds steps only: no async checkpoint write or
         ckpt.wait()                 # queued work runs while the profiler session starts
         jax.block_until_ready(state)
@@ -128,30 +187,43 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         progress.update(step, host)
         last, running, n_log = host, None, 0
 
-      eval_metrics = None
-      if step % config.train.eval_every == 0 or step == steps:
+      eval_metrics, new_best = None, False
+      if (config.train.eval_every and step % config.train.eval_every == 0) or step == steps:
         eval_fn = eval_fn or eval_lib.eval_fn(s, config)
         state, eval_metrics = eval_lib.evaluate(s, eval_fn, state, config)
         writer.write(step, eval_metrics)
         progress.update(step, eval_metrics)
-        summary.update(eval_metrics)
+        vs_base, worse = eval_lib.vs_base_rate(state.metrics, eval_metrics, s.spec.tasks)
+        record = {**eval_metrics, **vs_base}
+        summary.update(record)
+        new_best = evals.add(step, record, steps)
       preempted = preempt.should_stop(step)  # SIGTERM/SIGINT: checkpoint now and return
-      if ckpt.should_save(step) or step in (steps, stop_at) or preempted:  # every process's data position
+      force = step in (steps, stop_at) or preempted or evals.stop or (new_best and save_best)
+      if ckpt.should_save(step) or force:  # every process's data position
         ckpt.save(step, setup_lib.checkpoint_tree(state, s.plan),
-                  data_state={"train": dist.data_positions(batches.state())},
-                  config=config, metrics=eval_metrics,
-                  force=step in (steps, stop_at) or preempted)
-      if preempted:
+                  data_state={"train": dist.data_positions(batches.state()),
+                              "evals": evals.state()},
+                  config=config, metrics=eval_metrics, force=force)
+      if preempted or evals.stop:
         ckpt.wait()
         break
       if eval_metrics is not None or step % config.train.log_every == 0:
         t_log = time.perf_counter()  # eval / checkpoint time is not step time
       if step < min(steps, stop_at):
         batch = next(batches)
-    if summary.get("eval_auc") is None and step >= steps:  # restarted after the end
+    if summary.get("eval_auc") is None and (step >= steps or evals.stop):  # restarted after
       state, eval_metrics = eval_lib.evaluate(s, eval_fn or eval_lib.eval_fn(s, config), state,
-                                              config)
+                                              config)                       # the end
+      vs_base, worse = eval_lib.vs_base_rate(state.metrics, eval_metrics, s.spec.tasks)
       summary.update(eval_metrics)
+      summary.update(vs_base)
+    if worse:  # the last eval
+      logging.warning(
+          "eval log loss is worse than the base rate's (predicting the eval label rate for "
+          "every row): %s; the model overfits or diverged%s",
+          ", ".join(f"{t} {a:.4f} > {b:.4f}" for t, (a, b) in worse.items()),
+          f" (best eval, step {evals.best['step']}: {evals.metric} "
+          f"{evals.best[evals.metric]:.4f})" if evals.best else "")
     oracle = oracle_summary(s.eval_src, summary, config.data.eval_examples)
     if oracle:
       writer.write(step, oracle)
@@ -165,6 +237,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     writer.close()
   summary.update(last)
   summary.update(step=step, compile_s=compile_s, workdir=os.path.abspath(workdir), **oracle)
+  summary["stopped_early"] = evals.stop
+  if evals.stop:
+    summary["stopped_early_step"] = evals.stopped_at
+  if evals.best is not None:
+    summary["best"] = dict(evals.best)
   return summary
 
 

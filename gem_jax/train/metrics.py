@@ -37,7 +37,13 @@ to 2^24 per bin.
 
 NE (normalised entropy) = mean log loss / H(p),
 H(p) = -p log p - (1 - p) log(1 - p), with p the observed base rate.
+H(p) is the log loss of predicting p for every row (`base_rate_logloss`): a
+model with NE > 1 is worse than that constant.
 Calibration = mean prediction / mean label (1 is perfectly calibrated).
+
+`metric_mode(name)` says whether a larger or a smaller value of a metric is better
+(AUC: 'max'; log loss, NE, losses: 'min'): the one place the best checkpoint and
+early stopping read that from.
 """
 from __future__ import annotations
 
@@ -214,3 +220,30 @@ def compute(acc: Mapping[str, jax.Array], task_names: Sequence[str],
   for k in ("auc", "logloss", "ne"):
     out[k] = _nanmean([out[f"{k}/{n}"] for n in task_names])
   return out
+
+
+def base_rate_logloss(acc: Mapping[str, jax.Array], task_names: Sequence[str]) -> dict[str, float]:
+  """Per task, the log loss of predicting its observed rate p (label sum / weight over all
+  domains of the accumulators) for every row: H(p), nan when p is 0, 1 or undefined."""
+  label = np.asarray(jax.device_get(acc["label"]), np.float64).sum(-1)    # (T,)
+  weight = np.asarray(jax.device_get(acc["weight"]), np.float64).sum(-1)  # (T,)
+  return {name: _entropy(label[i] / weight[i]) if weight[i] > 0 else float("nan")
+          for i, name in enumerate(task_names)}
+
+
+def metric_mode(name: str) -> str:
+  """'max' if a larger value of metric `name` is better, 'min' if a smaller one.
+
+  The kind is the name's first '/' part without an 'eval_'/'train_' prefix
+  ('eval_auc/click/domain_0' is an AUC): auc -> 'max'; logloss, ne, *loss -> 'min'.
+  Anything else (calibration, throughput, ...) has no best: ValueError.
+  """
+  kind = str(name).split("/")[0]
+  for prefix in ("eval_", "train_"):
+    kind = kind[len(prefix):] if kind.startswith(prefix) else kind
+  if kind == "auc":
+    return "max"
+  if kind in ("ne", "loss") or kind.endswith("loss"):
+    return "min"
+  raise ValueError(f"metric {name!r}: no known better direction (auc: max; logloss, ne, "
+                   "*loss: min)")

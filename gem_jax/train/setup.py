@@ -3,7 +3,8 @@
   tables, features = embedding_configs(spec, config.embedding, shared)
   plan = make_plan(spec, config.embedding, mesh, batch_size, shared)
   model_fn = model_factory(config.model, spec, feature_dims)   # MODELS: class + FLOPs
-  s = setup(config)                        # everything but the arrays (a `Setup`)
+  steps = resolve_steps(config, train_src)  # train.steps, or train.epochs passes
+  s = setup(config)                        # everything but the arrays (a `Setup`, with s.steps)
   state, data_position, step = restore_or_init(s, ckpt, seed)
   ckpt.save(step, checkpoint_tree(state, s.plan), ...)
 
@@ -15,15 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
+from absl import logging
 from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax import flops as flops_lib
 from gem_jax.data import pipeline
 from gem_jax.data import registry as data_registry
+from gem_jax.data.source import LineSource
 from gem_jax.data.spec import DataSpec
 from gem_jax.models import config as model_config_lib
 from gem_jax.parallel import distributed as dist
@@ -95,6 +99,41 @@ def sources(config) -> tuple[Any, Any, dict | None]:
     raise ConfigError(f"config.data ({config.data.kind}): {e}") from None
   shared = getattr(train_src, "shared_vocab", None) if config.embedding.share_tables else None
   return train_src, eval_src, shared
+
+
+def resolve_steps(config, train_src) -> int:
+  """The run's train steps: `train.steps` if > 0, else ceil(train.epochs * rows / batch_size).
+
+  rows: `train_src.num_rows()` (file sources: their line count), else
+  `data.train_examples` (generated data); neither: ConfigError. The one place the
+  rule of configs/base.py is applied; the result is logged.
+  """
+  t, batch = config.train, config.data.batch_size
+  epochs = float(t.epochs)
+  if t.steps > 0:
+    if epochs > 0:
+      logging.info("train.steps=%d sets the run's length (train.epochs=%g applies only with "
+                   "train.steps=0)", t.steps, epochs)
+    return int(t.steps)
+  count = getattr(train_src, "num_rows", None)
+  rows = count() if count is not None else None
+  if rows is None:
+    rows = config.data.train_examples or None
+  if rows is None:
+    describe = getattr(train_src, "describe", lambda: type(train_src).__name__)
+    raise ConfigError(f"config.train.epochs={epochs:g} needs the train rows, but "
+                      f"{describe()} cannot count them (no num_rows(), no "
+                      "config.data.train_examples): set config.train.steps instead")
+  if rows < 1:
+    raise ConfigError(f"config.train.epochs={epochs:g}: config.data.train has no rows")
+  steps = max(1, math.ceil(epochs * rows / batch))
+  if jax.process_index() == 0:
+    lines = isinstance(train_src, LineSource)   # bad rows are skipped when read: a pass is
+    logging.info("%g epoch%s of %s%s rows = %s steps of %d%s", epochs,  # over the good ones
+                 "" if epochs == 1 else "s", "~" if lines else "", f"{rows:,}",
+                 f"{steps:,}", batch, " (the files' line count; bad and blank lines, which "
+                 "the reader skips, included)" if lines else "")
+  return steps
 
 
 # ------------------------------------------------------------------ models --
@@ -280,6 +319,7 @@ class Setup(NamedTuple):
   shardings: state_lib.TrainState
   acc_fn: Callable
   emb_init: Callable
+  steps: int                 # train steps (resolve_steps: train.steps or train.epochs)
 
 
 def setup(config) -> Setup:
@@ -289,18 +329,19 @@ def setup(config) -> Setup:
   """
   mesh = make_mesh(validate.check_config(config, jax.device_count()))
   train_src, eval_src, shared = sources(config)
+  steps = resolve_steps(config, train_src)
   spec = train_src.spec
   validate.check_embedding(spec, config.embedding, shared)
   plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared)
   eval_plan = plan.with_batch_size(config.data.eval_batch_size)  # the train placement
   feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
   model_fn = model_factory(config.model, spec, feature_dims)
-  p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, config.train.steps)
+  p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, steps)
   step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,
                                  config.train.grad_accum)
   eval_cfg = dataclasses.replace(step_cfg, plan=eval_plan, grad_accum=1)
   return Setup(mesh, spec, train_src, eval_src, plan, eval_plan, model_fn, feature_dims, p.tx,
-               step_cfg, eval_cfg, p.abstract, p.shardings, p.acc_fn, p.emb_init)
+               step_cfg, eval_cfg, p.abstract, p.shardings, p.acc_fn, p.emb_init, steps)
 
 
 # ------------------------------------------------------------- checkpoints --
@@ -333,10 +374,16 @@ def restore(s, ckpt, step: int | None = None):
   return restored.state.replace(emb=emb_lib.import_state(s.plan, restored.state.emb)), restored
 
 
-def restore_or_init(s: Setup, ckpt, seed: int):
-  """(state, train data position or None, restored step or None)."""
+def restore_or_init(s: Setup, ckpt, seed: int, *, saved: dict | None = None):
+  """(state, train data position or None, restored step or None).
+
+  `saved`: a dict that receives the restored checkpoint's other data entries (the
+  loop's record of its evaluations, 'evals'); left as it is on a fresh start.
+  """
   state, restored = restore(s, ckpt)
   if restored is None:
     return init_state(s, seed), None, None
   data = restored.data_state or {}
+  if saved is not None:
+    saved.update({k: v for k, v in data.items() if k != "train"})
   return state, dist.own_data_position(data.get("train")), restored.step

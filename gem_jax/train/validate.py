@@ -5,6 +5,7 @@ status 1). Missing data files surface from `data.registry` (as a ConfigError
 raised by `setup.setup`); a table over the memory budget from `setup.make_plan`.
 
   check_config(config, num_devices)        mesh vs devices, batch divisibility, steps
+                                           or epochs, early stopping (check_stopping)
   check_workdir(workdir, need_bytes)       exists or can be created, is writable,
                                            has room for the checkpoints kept
   check_embedding(spec, emb_cfg, shared)   table/feature settings agree with the data
@@ -22,6 +23,7 @@ import jax
 
 from gem_jax.embedding import config as emb_config
 from gem_jax.parallel.mesh import resolve_mesh_shape
+from gem_jax.train import metrics as metrics_lib
 
 
 class ConfigError(ValueError):
@@ -50,9 +52,36 @@ def check_config(config, num_devices: int) -> tuple[int, int]:
   if config.data.eval_batch_size % n:
     raise ConfigError(f"config.data.eval_batch_size={config.data.eval_batch_size} must be "
                       f"divisible by the {n} devices")
-  if config.train.steps < 1:
-    raise ConfigError(f"config.train.steps={config.train.steps} must be >= 1")
+  check_stopping(config.train)
   return mesh_shape
+
+
+def check_stopping(train_cfg) -> None:
+  """How long the run trains and when it stops early (rules: configs/base.py).
+
+  steps >= 0, epochs >= 0, one of them > 0 (steps > 0 wins); early_stop_patience >= 0,
+  and > 0 only with a best_metric that has a direction (`metrics.metric_mode`).
+  The row count behind `epochs` is checked where the source exists (setup.resolve_steps).
+  """
+  steps, epochs = train_cfg.steps, float(train_cfg.epochs)
+  if steps < 0:
+    _fail(f"config.train.steps={steps} must be >= 1 (or 0: train.epochs passes)")
+  if not epochs >= 0 or math.isinf(epochs):
+    _fail(f"config.train.epochs={train_cfg.epochs} must be a finite number >= 0")
+  if steps == 0 and epochs == 0:
+    _fail("config.train.steps=0 and config.train.epochs=0: set train.steps (> 0) or "
+          "train.epochs (> 0, with steps=0)")
+  patience, metric = train_cfg.early_stop_patience, train_cfg.best_metric
+  if patience < 0:
+    _fail(f"config.train.early_stop_patience={patience} must be >= 0 (0: off)")
+  if metric:
+    try:
+      metrics_lib.metric_mode(metric)
+    except ValueError as e:
+      _fail(f"config.train.best_metric={metric!r}: {e}")
+  elif patience > 0:
+    _fail(f"config.train.early_stop_patience={patience} watches config.train.best_metric, "
+          "which is unset")
 
 
 def _nbytes(x: Any) -> int:
