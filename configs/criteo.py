@@ -15,7 +15,7 @@ without a new best. The summary line reports the last and the `best` eval.
     --config.data.vocab_size=10000000 --config.train.steps=100000
 
 `data.train`/`data.eval` take files, comma-separated lists or globs (gzip or plain).
-Baselines: --config.model.name=dlrm | dcnv2. See docs/data.md for the format.
+Baselines: --config.model.name=lr | fm | fwfm | dlrm | dcnv2. See docs/data.md for the format.
 """
 import os
 import sys

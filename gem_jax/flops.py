@@ -34,12 +34,18 @@ from gem_jax.layers.interformer import interformer_flops, sequence_branch_flops 
 from gem_jax.layers.mlp import mlp_flops
 
 
-def fm_flops(n: int, d: int, k: int) -> int:
-  return 4 * n * d * k
+def fm_flops(n: int, d: int, k: int, mode: str = "projected") -> int:
+  """'projected': X (X^T Y), 4 n d k; 'pairs': the Gram matrix X X^T, 2 n^2 d."""
+  return 4 * n * d * k if mode == "projected" else 2 * n * n * d
 
 
-def fmb_flops(n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int]) -> int:
-  return fm_flops(n, d, k) + mlp_flops(n * k, tuple(mlp_hidden) + (n_f * d,))
+def fm_width(n: int, k: int, mode: str = "projected") -> int:
+  return n * k if mode == "projected" else n * (n - 1) // 2
+
+
+def fmb_flops(n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int],
+              fm: str = "projected") -> int:
+  return fm_flops(n, d, k, fm) + mlp_flops(fm_width(n, k, fm), tuple(mlp_hidden) + (n_f * d,))
 
 
 def lcb_flops(n: int, d: int, n_l: int) -> int:
@@ -47,10 +53,10 @@ def lcb_flops(n: int, d: int, n_l: int) -> int:
 
 
 def wukong_layer_flops(n: int, d: int, n_f: int, n_l: int, k: int,
-                       mlp_hidden: Sequence[int]) -> int:
+                       mlp_hidden: Sequence[int], fm: str = "projected") -> int:
   """FMB + LCB + residual projection (when n changes)."""
   res = 2 * n * (n_f + n_l) * d if n != n_f + n_l else 0
-  return fmb_flops(n, d, k, n_f, mlp_hidden) + lcb_flops(n, d, n_l) + res
+  return fmb_flops(n, d, k, n_f, mlp_hidden, fm) + lcb_flops(n, d, n_l) + res
 
 
 def cross_layer_flops(num_layers: int, n: int, n_out: int, d: int) -> int:
@@ -137,22 +143,29 @@ def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
                                 if feature_dims[f.name] != d)
   out["sequence_embedder"] = sum(2 * s.max_len * d * sum(feature_dims[f] for f in s.item_features)
                                  for s in spec.sequences)
-  out["token_mix"] = 2 * n * n0 * d
+  if cfg.token_mix:
+    out["token_mix"] = 2 * n * n0 * d
+  elif cfg.cross_layer and cfg.num_blocks > 1:
+    out["history_proj"] = 2 * n * n0 * d  # X_0 into the cross-layer history
   # One branch per stream (a single 1-event dummy branch when the spec has no streams).
   lengths = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences] or [(1,) * cfg.num_blocks]
   k = len(lengths)
   for l in range(cfg.num_blocks):
+    n_in = n0 if (l == 0 and not cfg.token_mix) else n
     out[f"block{l}/interformer"] = interformer_flops(
-        n, [ls[l] for ls in lengths], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
+        n_in, [ls[l] for ls in lengths], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
         num_pma=cfg.num_pma, num_recent=cfg.num_recent, mask=cfg.attn_mask,
         block_size=cfg.block_size)
-    out[f"block{l}/wukong"] = wukong_layer_flops(n + k * n_s, d, cfg.wukong_nf, cfg.wukong_nl,
-                                                 cfg.wukong_k, cfg.wukong_mlp)
+    out[f"block{l}/wukong"] = wukong_layer_flops(n_in + k * n_s, d, cfg.wukong_nf, cfg.wukong_nl,
+                                                 cfg.wukong_k, cfg.wukong_mlp, cfg.wukong_fm)
   if cfg.cross_layer and cfg.num_blocks > 1:
     out["cross_layer"] = cross_layer_flops(cfg.num_blocks, n, n, d)
   out["target_attention"] = 2 * cfg.num_queries * n * d + sum(
       cross_attention_flops(cfg.num_queries, ls[-1], d) for ls in lengths)
   trunk_in = (n + cfg.num_x_summary + k * (n_s + cfg.num_queries)) * d
+  if cfg.trunk_pairs:
+    out["front_pairs"] = fm_flops(n0, d, 0, "pairs")
+    trunk_in += fm_width(n0, 0, "pairs")
   out["trunk"] = mlp_flops(trunk_in, cfg.trunk_hidden)
   out["heads"] = heads_flops(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
                              cfg.head_kind, cfg.head_hidden, cfg.num_experts, cfg.expert_hidden)

@@ -252,11 +252,18 @@ def fm(y, x):
   return np.einsum("bnm,mk->bnk", x @ x.transpose(0, 2, 1), y)
 
 
+def fm_pairs(x):
+  """<x_i, x_j> for i < j, row-major over (i, j).   (B, n, d) -> (B, n (n - 1) / 2)."""
+  n = x.shape[1]
+  return np.stack([np.sum(x[:, i] * x[:, j], -1) for i in range(n) for j in range(i + 1, n)], 1)
+
+
 def wukong_layer(p, x):
   """LN(concat(FMB X, LCB X) + R X), R = I or p['res'].   (B, n, d) -> (B, n_F + n_L, d)."""
   x = np.asarray(x, np.float64)
   b, _, d = x.shape
-  h = ln(p["fmb"]["norm"], fm(p["fmb"]["fm"]["y"], x).reshape(b, -1), LN_EPS_MLP)
+  f = fm(p["fmb"]["fm"]["y"], x) if "y" in p["fmb"].get("fm", {}) else fm_pairs(x)  # projected | pairs
+  h = ln(p["fmb"]["norm"], f.reshape(b, -1), LN_EPS_MLP)
   fmb = mlp(p["fmb"]["mlp"], h).reshape(b, -1, d)  # (B, n_F, d)
   lcb = np.einsum("ln,bnd->bld", p["lcb"]["w"], x)
   res = x if p.get("res") is None else np.einsum("on,bnd->bod", p["res"], x)
@@ -405,7 +412,8 @@ def gem(p, cfg, spec, feature_dims: Mapping[str, int], inputs):
     parts.append(sparse_projector(p["sparse_proj"], inputs["sparse"],
                                   {f: feature_dims[f] for f in pooled}, d))
   parts.append(p["domain_emb"][dom][:, None])
-  x = np.einsum("on,bnd->bod", p["token_mix"], np.concatenate(parts, 1))
+  x0 = np.concatenate(parts, 1)  # (B, n0, d)
+  x = x0 if p.get("token_mix") is None else np.einsum("on,bnd->bod", p["token_mix"], x0)
   # Streams: S_i = SequenceEmbedder_i + E_stream[i] (0 where padded), own pyramid schedule.
   streams = []
   for i, s in enumerate(spec.sequences):
@@ -419,7 +427,9 @@ def gem(p, cfg, spec, feature_dims: Mapping[str, int], inputs):
     streams = [(np.zeros((b, 1, d)), np.zeros((b, 1), bool), np.zeros((b, 1)), [1] * nb)]
   kw = dict(heads=cfg.num_heads, num_recent=cfg.num_recent, score=cfg.attn_score,
             mask=cfg.attn_mask, block=cfg.block_size, rope_on=cfg.rope)
-  history, n = [x], x.shape[1]
+  n = cfg.wukong_nf + cfg.wukong_nl
+  history = [x if p.get("history_proj") is None else
+             np.einsum("on,bnd->bod", p["history_proj"], x0)]
   for l in range(nb):
     cur = [(s[:, :ls[l]], v[:, :ls[l]], t[:, :ls[l]]) for s, v, t, ls in streams]
     x_in = x if (l == 0 or p.get("cross_layer") is None) else \
@@ -435,6 +445,8 @@ def gem(p, cfg, spec, feature_dims: Mapping[str, int], inputs):
                              score=cfg.attn_score) for i, (s, v, _, _) in enumerate(streams)]
   seq_summary = np.concatenate([s_sum] + targets, 1)  # (B, K (c+p+r+Q), d)
   feats = np.concatenate([x, x_sum, seq_summary], 1).reshape(b, -1)
+  if cfg.trunk_pairs:
+    feats = np.concatenate([feats, fm_pairs(x0)], 1)  # + <x0_i, x0_j>, i < j
   trunk = mlp(p["trunk"], feats, final="relu")  # (B, H)
   logits = heads(p["heads"], trunk, dom)
   return logits, {"trunk": trunk, "seq_summary": seq_summary.reshape(b, -1), "x": x}

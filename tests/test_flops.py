@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from gem_jax import flops
@@ -20,11 +21,13 @@ def _xla_flops(fn, *args):
   return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-def test_tiny_gem_forward_flops_match_xla():
+@pytest.mark.parametrize("overrides", [{}, dict(token_mix=False, wukong_fm="pairs"),
+                                       dict(trunk_pairs=False)])
+def test_tiny_gem_forward_flops_match_xla(overrides):
   spec = reference_spec(n_dense=5, n_sparse=4, streams=2, max_len=12, item_features=2)
   spec = dataclasses.replace(spec, sequences=(  # streams of 12 and 7 events: one branch each
       spec.sequences[0], dataclasses.replace(spec.sequences[1], max_len=7)))
-  cfg = get_config("tiny")
+  cfg = get_config("tiny", **overrides)
   fd = {f.name: (cfg.d_model if i % 2 else 8) for i, f in enumerate(spec.sparse)}
   model = nnx.eval_shape(lambda: GEM(cfg, spec, fd, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)

@@ -38,6 +38,9 @@ CASES = {
     "variants": (dict(cross_layer=False, attn_score="silu", attn_mask="block_local", block_size=4,
                       rope=True, time_buckets=0, num_recent=3, num_pma=0, pyramid=(1.0, 0.25)),
                  SPEC),
+    # the interaction switches: raw feature tokens into block 0, every-pair FM, trunk pairs.
+    "raw_tokens_pairs": (dict(token_mix=False, wukong_fm="pairs", trunk_pairs=True), SPEC),
+    "raw_tokens_no_streams": (dict(token_mix=False, trunk_pairs=True), SPEC0),
 }
 
 

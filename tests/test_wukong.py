@@ -34,9 +34,23 @@ def test_lcb(x):
   np.testing.assert_allclose(np.asarray(lcb(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_f,n_l", [(3, 3), (4, 2), (5, 4)])
-def test_wukong_layer_matches_reference(x, n_f, n_l):
-  m = WukongLayer(N, D, n_f=n_f, n_l=n_l, k=4, mlp_hidden=(16,), rngs=nnx.Rngs(2))
+def test_fm_pairs_is_every_dot_product_once(x):
+  fm = FM(N, 4, mode="pairs", rngs=nnx.Rngs(0))
+  got = np.asarray(fm(jnp.asarray(x)))
+  assert got.shape == (B, N * (N - 1) // 2) == (B, fm.width)
+  np.testing.assert_allclose(got, R.fm_pairs(x.astype(np.float64)), rtol=1e-5, atol=1e-5)
+  assert not nnx.state(fm, nnx.Param)  # no Y: the pairs are not compressed
+  i, j = 1, 4  # row-major (i, j), i < j
+  col = sum(N - 1 - r for r in range(i)) + (j - i - 1)
+  np.testing.assert_allclose(got[:, col], np.sum(x[:, i] * x[:, j], -1), rtol=1e-5)
+  with pytest.raises(ValueError, match="mode"):
+    FM(N, 4, mode="full", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("n_f,n_l,fm", [(3, 3, "projected"), (4, 2, "projected"),
+                                        (5, 4, "projected"), (4, 2, "pairs")])
+def test_wukong_layer_matches_reference(x, n_f, n_l, fm):
+  m = WukongLayer(N, D, n_f=n_f, n_l=n_l, k=4, mlp_hidden=(16,), fm=fm, rngs=nnx.Rngs(2))
   assert (m.res is None) == (n_f + n_l == N)
   y = m(jnp.asarray(x))
   assert y.shape == (B, n_f + n_l, D) and y.dtype == jnp.float32

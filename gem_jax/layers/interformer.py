@@ -239,8 +239,10 @@ class InterFormerBlock(nnx.Module):
   Args:
     d_model: D.  n_tokens: n, the number of non-sequence tokens X.
     num_heads: heads of the sequence attention and the PMA.
-    interaction: an nnx.Module mapping (B, n + K (c + p + r), D) to (B, n, D) or
-      (B, n + K (c + p + r), D) (e.g. a Wukong layer); owned by this block.
+    interaction: an nnx.Module mapping (B, n + K (c + p + r), D) to (B, n', D) or
+      (B, n' + K (c + p + r), D) (e.g. a Wukong layer); owned by this block.
+    n_out_tokens: n', the tokens X' keeps (default n; a first block on the raw feature
+      tokens may compress them).
     num_streams: K, one `SequenceBranch` (separate weights) per event stream.
     num_cls, num_pma, num_recent: c, p, r of each S_sum,i.  num_x_summary: m of X_sum.
     score, mask, block_size, rope, time_buckets, qk_norm, recent_first: the
@@ -261,12 +263,14 @@ class InterFormerBlock(nnx.Module):
                num_recent: int = 2, num_x_summary: int = 4, score: str = "softmax",
                mask: str = "full", block_size: int = 64, rope: bool = False,
                time_buckets: int = 0, qk_norm: bool = True, recent_first: bool = True,
-               gating_hidden: int | None = None, dtype: Dtype = jnp.float32,
-               param_dtype: Dtype = jnp.float32, fp8: bool = False, remat: str | None = None):
+               gating_hidden: int | None = None, n_out_tokens: int | None = None,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
+               remat: str | None = None):
     if num_streams < 1:
       raise ValueError(f"num_streams={num_streams}: need at least one stream")
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.n_tokens, self.num_streams = n_tokens, num_streams
+    self.n_out_tokens = n_out_tokens or n_tokens
     self.time_buckets, self.dtype = time_buckets, dtype
     self.n_s_summary = num_streams * (num_cls + num_pma + num_recent)
     # Cross arch, non-sequence summary.
@@ -316,8 +320,9 @@ class InterFormerBlock(nnx.Module):
     s_new = [o[0] for o in outs]  # K x (B, L_i, D)
     s_sum = jnp.concatenate([o[1] for o in outs], axis=1)  # (B, K (c + p + r), D)
     z = self.interaction(jnp.concatenate([x.astype(self.dtype), s_sum], axis=1))
-    if z.shape[1] not in (self.n_tokens, self.n_tokens + self.n_s_summary):
-      raise ValueError(f"interaction returned {z.shape[1]} tokens; expected {self.n_tokens} "
-                       f"or {self.n_tokens + self.n_s_summary}")
-    x_new = z[:, :self.n_tokens].astype(self.dtype)  # (B, n, D)
+    n_out = self.n_out_tokens
+    if z.shape[1] not in (n_out, n_out + self.n_s_summary):
+      raise ValueError(f"interaction returned {z.shape[1]} tokens; expected {n_out} "
+                       f"or {n_out + self.n_s_summary}")
+    x_new = z[:, :n_out].astype(self.dtype)  # (B, n', D)
     return x_new, (s_new[0] if single else s_new), x_sum, s_sum

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gem_jax.layers.dense import lowp_einsum, param
@@ -34,25 +35,41 @@ def _token_init(fan_in: int):
 
 
 class FM(nnx.Module):
-  """Optimized factorization machine: F = X (X^T Y).   (B, n, d) -> (B, n, k)
+  """Factorization machine of n tokens, two forms.
 
-  Equals (X X^T) Y, the n x n dot-product interactions compressed to rank k,
-  in 4 n d k FLOPs instead of 2 n^2 d + 2 n^2 k.
+  mode='projected' (Wukong's optimized FM): F = X (X^T Y), Y in R^{n x k} learned,
+    (B, n, d) -> (B, n, k) (`width` n k). Equals (X X^T) Y, the n x n dot products
+    compressed to rank k, in 4 n d k FLOPs instead of 2 n^2 d + 2 n^2 k.
+  mode='pairs': <x_i, x_j> for i < j, row-major (the strict upper triangle of X X^T),
+    (B, n, d) -> (B, n (n - 1) / 2): every pair on its own, as DLRM's dot interaction;
+    2 n^2 d FLOPs.
 
   Args:
     n: input tokens (Y is (n, k)).
-    k: rank of the compressed interactions (output width).
+    k: rank of the compressed interactions ('projected' only).
+    mode: 'projected' (default) or 'pairs'.
     rngs: `nnx.Rngs` for Y's init, N(0, 1/n).
     dtype: compute dtype (default float32).  param_dtype: Y's dtype (default float32).
   """
 
-  def __init__(self, n: int, k: int, *, rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
-               param_dtype: Dtype = jnp.float32):
-    self.n, self.k, self.dtype = n, k, dtype
-    self.y = param(rngs, _token_init(n), (n, k), param_dtype, ("tokens", None))
+  def __init__(self, n: int, k: int, *, rngs: nnx.Rngs, mode: str = "projected",
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32):
+    if mode not in ("projected", "pairs"):
+      raise ValueError(f"FM mode={mode!r}: expected 'projected' or 'pairs'")
+    self.n, self.k, self.mode, self.dtype = n, k, mode, dtype
+    self.width = n * k if mode == "projected" else n * (n - 1) // 2
+    if mode == "projected":
+      self.y = param(rngs, _token_init(n), (n, k), param_dtype, ("tokens", None))
+    else:
+      iu = np.triu_indices(n, k=1)
+      self.pair_index = tuple(int(i * n + j) for i, j in zip(*iu))  # flat index of (i, j), i < j
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
+    if self.mode == "pairs":
+      g = lowp_einsum("bnd,bmd->bnm", x, x, self.dtype)  # (B, n, n)
+      flat = g.reshape(g.shape[0], -1)  # (B, n n)
+      return jnp.take(flat, np.asarray(self.pair_index), axis=1).astype(self.dtype)  # (B, n(n-1)/2)
     y = self.y[...]  # fp32: lowp_einsum casts it and returns its gradient in fp32
     xty = lowp_einsum("bnd,nk->bdk", x, y, self.dtype)  # (B, d, k)
     f = lowp_einsum("bnd,bdk->bnk", x, xty, self.dtype)  # (B, n, k)
@@ -64,24 +81,26 @@ class FMB(nnx.Module):
 
   Args:
     n, d: input tokens and width.  k: FM rank.  n_f: output tokens.
+    fm: the FM's mode, 'projected' (default) or 'pairs' (`FM`).
     mlp_hidden: hidden widths of the MLP (ReLU); its last layer is linear, n_F * d wide.
     rngs: `nnx.Rngs`.  dtype, param_dtype: compute / parameter dtypes (default float32).
     fp8: fp8 matmuls in the MLP (default False).
   """
 
   def __init__(self, n: int, d: int, k: int, n_f: int, mlp_hidden: Sequence[int], *,
-               rngs: nnx.Rngs, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               fp8: bool = False):
+               rngs: nnx.Rngs, fm: str = "projected", dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False):
     self.n_f, self.d = n_f, d
-    self.fm = FM(n, k, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    self.norm = LayerNorm(n * k, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+    self.fm = FM(n, k, mode=fm, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    w = self.fm.width
+    self.norm = LayerNorm(w, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                           logical_axes=("mlp",))
-    self.mlp = MLP(n * k, tuple(mlp_hidden) + (n_f * d,), rngs=rngs, dtype=dtype,
+    self.mlp = MLP(w, tuple(mlp_hidden) + (n_f * d,), rngs=rngs, dtype=dtype,
                    param_dtype=param_dtype, fp8=fp8, in_axis="mlp")
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    f = self.fm(x)  # (B, n, k)
-    h = self.norm(f.reshape(f.shape[0], -1))  # (B, n * k)
+    f = self.fm(x)  # (B, width): n k ('projected') or n (n - 1) / 2 ('pairs')
+    h = self.norm(f.reshape(f.shape[0], -1))  # (B, width)
     return self.mlp(h).reshape(-1, self.n_f, self.d)  # (B, n_F, d)
 
 
@@ -115,6 +134,7 @@ class WukongLayer(nnx.Module):
       `n_out = n_f + n_l` tokens (attribute `n_out`).
     k: FM rank.
     mlp_hidden: FMB MLP hidden widths, e.g. (256,).
+    fm: the FM's mode, 'projected' (default, X X^T Y) or 'pairs' (every <x_i, x_j>).
     rngs: `nnx.Rngs`.
     dtype, param_dtype: compute / parameter dtypes (default float32).
     fp8: fp8 for the FMB MLP's large matmuls (default False).
@@ -122,12 +142,13 @@ class WukongLayer(nnx.Module):
   """
 
   def __init__(self, n: int, d: int, *, n_f: int, n_l: int, k: int,
-               mlp_hidden: Sequence[int], rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
-               param_dtype: Dtype = jnp.float32, fp8: bool = False, remat: str | None = None):
+               mlp_hidden: Sequence[int], rngs: nnx.Rngs, fm: str = "projected",
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
+               remat: str | None = None):
     self.n_in, self.n_out, self.d = n, n_f + n_l, d
     self.dtype, self.remat = dtype, remat
-    self.fmb = FMB(n, d, k, n_f, mlp_hidden, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                   fp8=fp8)
+    self.fmb = FMB(n, d, k, n_f, mlp_hidden, rngs=rngs, fm=fm, dtype=dtype,
+                   param_dtype=param_dtype, fp8=fp8)
     self.lcb = LCB(n, n_l, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.res = (param(rngs, _token_init(n), (self.n_out, n), param_dtype, (None, "tokens"))
                 if n != self.n_out else None)
@@ -201,6 +222,7 @@ class WukongStack(nnx.Module):
     mlp_hidden: FMB MLP hidden widths, e.g. (256,) (keyword-only, required).
     cross_layer: cross-layer attention between layers (default True); False gives
       the plain published stack.
+    fm: every layer's FM, 'projected' (default, X X^T Y) or 'pairs' (`FM`).
     rngs: `nnx.Rngs` (keyword-only, required).
     dtype: compute dtype (default float32; bfloat16 for mixed precision).
     param_dtype: parameter dtype (default float32).
@@ -209,14 +231,14 @@ class WukongStack(nnx.Module):
   """
 
   def __init__(self, n: int, d: int, *, num_layers: int, n_f: int, n_l: int, k: int,
-               mlp_hidden: Sequence[int], cross_layer: bool = True, rngs: nnx.Rngs,
-               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+               mlp_hidden: Sequence[int], cross_layer: bool = True, fm: str = "projected",
+               rngs: nnx.Rngs, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
                fp8: bool = False, remat: str | None = None):
     n_out = n_f + n_l
     self.n_in, self.n_out, self.cross_layer = n, n_out, cross_layer
     self.layers = nnx.List([
         WukongLayer(n if i == 0 else n_out, d, n_f=n_f, n_l=n_l, k=k, mlp_hidden=mlp_hidden,
-                    rngs=rngs, dtype=dtype, param_dtype=param_dtype, fp8=fp8, remat=remat)
+                    fm=fm, rngs=rngs, dtype=dtype, param_dtype=param_dtype, fp8=fp8, remat=remat)
         for i in range(num_layers)])
     self.cross = (CrossLayerAttention(num_layers - 1, d, rngs=rngs, dtype=dtype,
                                       param_dtype=param_dtype)

@@ -32,6 +32,13 @@ class GEMConfig:
   Interaction (Wukong, one layer per InterFormer block in GEM):
     num_blocks: InterFormer blocks (GEM) / Wukong layers (student).
     wukong_nf, wukong_nl, wukong_k, wukong_mlp: FMB outputs, LCB outputs, FM rank, FMB MLP hidden.
+    wukong_fm: the FMB's FM, 'projected' (X X^T Y, rank wukong_k) or 'pairs' (every <x_i, x_j>).
+    token_mix: GEM mixes the n0 front-end tokens into n = n_F + n_L tokens before the first
+      block (True), or the first block's Wukong layer reads the n0 feature tokens (False).
+    trunk_pairs: GEM's trunk also reads every dot product <E_i, E_j>, i < j, of the n0
+      front-end tokens (default True; docs/RESULTS.md "Interaction benchmark" says why).
+      token_mix and trunk_pairs are GEM's: the student's stack reads its raw tokens and its
+      trunk only the last Wukong layer.
     cross_layer: cross-layer attention between blocks (GEM.md §3.1 proposal).
   Sequences:
     num_heads, ffn_mult, attn_score ('softmax'|'silu'), attn_mask ('full'|'causal'|'block_local'),
@@ -60,6 +67,9 @@ class GEMConfig:
   wukong_nl: int = 4
   wukong_k: int = 4
   wukong_mlp: tuple[int, ...] = (32,)
+  wukong_fm: str = "projected"
+  token_mix: bool = True
+  trunk_pairs: bool = True
   cross_layer: bool = True
   num_heads: int = 2
   ffn_mult: int = 2

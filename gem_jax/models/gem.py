@@ -8,7 +8,8 @@ stream, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagr
   dense (B, n_dense)        -> DenseTokenizer                    -> (B, n_dt, d)
   sparse {f: (B, D_f)}      -> SparseProjector                   -> (B, n_sp, d)
   domain (B,)               -> E_dom[domain]                     -> (B, 1, d)
-  X0 = W_in [dense; sparse; domain tokens]  (token mix n0 -> n)  -> (B, n, d)
+  E  = [dense; sparse; domain tokens]                             (B, n0, d)
+  X0 = W_in E  (token mix n0 -> n; token_mix=False: X0 = E)      -> (B, n, d)
   stream i: items/action/surface/dt/mask -> SequenceEmbedder_i + E_stream[i] -> S_i (B, L_i, d)
   for block l = 0..N-1:
     S_i, valid_i, dt_i <- keep the L_i^l = ceil(pyramid[l] L_i) newest events  (pyramid)
@@ -19,12 +20,18 @@ stream, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagr
       interaction = WukongLayer(n + K (c + p + r) -> n)
   T_i = CrossAttention_i(W_q X (B, Q, d) -> S_i)                 target-aware  (B, Q, d)
   seq_summary = flatten([S_sum; T_1; ..; T_K])                   (B, K (c + p + r + Q) d)
-  trunk = MLP(flatten([X; X_sum; S_sum; T_1..T_K]))              (B, H)
+  P = [<E_i, E_j>]_{i<j}  (trunk_pairs, the default)             (B, n0 (n0 - 1) / 2)
+  trunk = MLP([flatten([X; X_sum; S_sum; T_1..T_K]); P])         (B, H)
   logits = MultiTaskHeads(trunk, domain)                         (B, n_tasks) fp32
 
 Streams are the parallel branches of the pyramid-parallel stack (GEM.md §3.2): every
 stream keeps its own length schedule and its own sequence weights in every block; the
 streams meet only in S_sum (the Wukong interaction and the trunk) and in the trunk via T_i.
+
+P, every pairwise dot product of the front-end tokens, reaches the trunk directly: the
+Wukong layers' compressed FM, X (X^T Y) of mixed tokens, learns planted field-pair
+interactions far slower than DLRM's explicit pairs (docs/RESULTS.md, "Interaction
+benchmark"), and P gives GEM those pairs at 2 n0^2 d FLOPs.
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ from gem_jax.layers.features import DenseTokenizer, SequenceEmbedder, SparseProj
 from gem_jax.layers.heads import MultiTaskHeads
 from gem_jax.layers.interformer import InterFormerBlock
 from gem_jax.layers.mlp import MLP
-from gem_jax.layers.wukong import CrossLayerAttention, WukongLayer
+from gem_jax.layers.wukong import FM, CrossLayerAttention, WukongLayer
 from gem_jax.models.config import GEMConfig
 from gem_jax.parallel.sharding import constrain_batch
 
@@ -91,8 +98,13 @@ class GEM(nnx.Module):
                                        rngs=rngs, **prec)
     self.domain_emb = param(rngs, emb, (max(spec.num_domains, 1), d), cfg.params_dtype,
                             (None, "embed"))
-    self.token_mix = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n0)), (n, n0),
-                           cfg.params_dtype, (None, "tokens"))
+    self.token_mix = (param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n0)), (n, n0),
+                            cfg.params_dtype, (None, "tokens")) if cfg.token_mix else None)
+    # Without the mix, X_0 enters the cross-layer history through its own projection.
+    self.history_proj = (param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n0)), (n, n0),
+                               cfg.params_dtype, (None, "tokens"))
+                         if not cfg.token_mix and cfg.cross_layer and cfg.num_blocks > 1
+                         else None)
     self.seq_emb = nnx.List([
         SequenceEmbedder({f: feature_dims[f] for f in s.item_features}, d,
                          num_actions=s.num_actions, num_surfaces=s.num_surfaces,
@@ -102,12 +114,14 @@ class GEM(nnx.Module):
                             (None, "embed"))
     # Interleaved blocks.
     blocks = []
-    for _ in range(cfg.num_blocks):
-      wukong = WukongLayer(n + k * self.n_summary, d, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
-                           k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp, rngs=rngs, fp8=cfg.fp8,
-                           remat=cfg.remat, **prec)
+    for l in range(cfg.num_blocks):
+      n_in = n0 if (l == 0 and not cfg.token_mix) else n
+      wukong = WukongLayer(n_in + k * self.n_summary, d, n_f=cfg.wukong_nf, n_l=cfg.wukong_nl,
+                           k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp, fm=cfg.wukong_fm,
+                           rngs=rngs, fp8=cfg.fp8, remat=cfg.remat, **prec)
       blocks.append(InterFormerBlock(
-          d, n, cfg.num_heads, interaction=wukong, rngs=rngs, num_streams=k, num_cls=cfg.num_cls,
+          d, n_in, cfg.num_heads, interaction=wukong, rngs=rngs, n_out_tokens=n,
+          num_streams=k, num_cls=cfg.num_cls,
           num_pma=cfg.num_pma, num_recent=cfg.num_recent, num_x_summary=cfg.num_x_summary,
           score=cfg.attn_score, mask=cfg.attn_mask, block_size=cfg.block_size, rope=cfg.rope,
           time_buckets=cfg.time_buckets, fp8=cfg.fp8, remat=cfg.remat, **prec))
@@ -120,7 +134,10 @@ class GEM(nnx.Module):
     self.target_attn = nnx.List([
         CrossAttention(d, cfg.num_heads, score=cfg.attn_score, rngs=rngs, fp8=cfg.fp8, **prec)
         for _ in range(k)])
+    self.front_pairs = (FM(n0, 1, mode="pairs", rngs=rngs, **prec) if cfg.trunk_pairs
+                        else None)
     trunk_in = (n + cfg.num_x_summary + k * (self.n_summary + cfg.num_queries)) * d
+    trunk_in += self.front_pairs.width if cfg.trunk_pairs else 0
     self.trunk = MLP(trunk_in, cfg.trunk_hidden, rngs=rngs, final_activation="relu",
                      fp8=cfg.fp8, in_axis="mlp", out_axis="mlp", **prec)
     self.heads = MultiTaskHeads(cfg.trunk_hidden[-1], len(spec.tasks), max(spec.num_domains, 1),
@@ -129,16 +146,17 @@ class GEM(nnx.Module):
                                 rngs=rngs, **prec)
 
   def tokens(self, inputs: Mapping[str, Any]) -> jax.Array:
-    """X0 = W_in [dense tokens; sparse tokens; domain token]  -> (B, n, d)."""
+    """X0 = [dense tokens; sparse tokens; domain token]  -> (B, n0, d)."""
     dense = self.dense_tok(inputs["dense"])  # (B, n_dt, d)
     parts = [dense]
     if self.pooled:
       parts.append(self.sparse_proj(inputs["sparse"]))  # (B, n_sp, d)
     dom = jnp.clip(inputs["domain"].astype(jnp.int32), 0, self.domain_emb[...].shape[0] - 1)
     parts.append(jnp.take(self.domain_emb[...], dom, axis=0)[:, None, :].astype(self.dtype))
-    x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)  # (B, n0, d)
-    return lowp_einsum("on,bnd->bod", self.token_mix[...], x,
-                       self.dtype).astype(self.dtype)  # (B, n, d)
+    return jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)  # (B, n0, d)
+
+  def _mix(self, w, x0: jax.Array) -> jax.Array:
+    return lowp_einsum("on,bnd->bod", w[...], x0, self.dtype).astype(self.dtype)  # (B, n, d)
 
   def sequences(self, inputs: Mapping[str, Any], batch: int):
     """Per stream (x (B, L_i, d), valid (B, L_i), dt (B, L_i)), stream embedding added.
@@ -168,9 +186,10 @@ class GEM(nnx.Module):
 
   def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
     b = inputs["dense"].shape[0]
-    x = constrain_batch(self.tokens(inputs))  # (B, n, d)
+    x0 = constrain_batch(self.tokens(inputs))  # (B, n0, d)
+    x = self._mix(self.token_mix, x0) if self.token_mix is not None else x0  # (B, n or n0, d)
     streams = self.sequences(inputs, b)  # K x (S_i (B, L_i, d), valid_i, dt_i)
-    history = [x]
+    history = [x if self.history_proj is None else self._mix(self.history_proj, x0)]
     x_sum = s_sum = None
     for l, block in enumerate(self.blocks):
       streams = self._crop(streams, l)
@@ -185,7 +204,10 @@ class GEM(nnx.Module):
                for attn, (s_i, v_i, _) in zip(self.target_attn, streams)]
     seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
     feats = constrain_batch(jnp.concatenate([x, x_sum, seq_summary], axis=1))  # (B, n+m+K(c+p+r+Q), d)
-    trunk = self.trunk(feats.reshape(b, -1))  # (B, H)
+    feats = feats.reshape(b, -1)
+    if self.front_pairs is not None:  # + <x0_i, x0_j>, i < j: (B, n0 (n0 - 1) / 2)
+      feats = jnp.concatenate([feats, self.front_pairs(x0).astype(feats.dtype)], axis=1)
+    trunk = self.trunk(feats)  # (B, H)
     logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
     if return_aux:
       return logits, {"trunk": trunk, "seq_summary": seq_summary.reshape(b, -1), "x": x}

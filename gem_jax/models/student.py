@@ -60,7 +60,7 @@ class Student(nnx.Module):
     n0 = (self.dense_tok.n_tokens + len(self.pooled) + len(self.seq) + self.teacher_tokens)
     self.wukong = WukongStack(n0, d, num_layers=cfg.num_blocks, n_f=cfg.wukong_nf,
                               n_l=cfg.wukong_nl, k=cfg.wukong_k, mlp_hidden=cfg.wukong_mlp,
-                              cross_layer=cfg.cross_layer, rngs=rngs, fp8=cfg.fp8,
+                              cross_layer=cfg.cross_layer, fm=cfg.wukong_fm, rngs=rngs, fp8=cfg.fp8,
                               remat=cfg.remat, **prec)
     self.trunk = MLP(cfg.n_interaction * d, cfg.trunk_hidden, rngs=rngs,
                      final_activation="relu", in_axis="mlp", out_axis="mlp", **prec)
