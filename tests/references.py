@@ -262,7 +262,8 @@ def wukong_layer(p, x):
   """LN(concat(FMB X, LCB X) + R X), R = I or p['res'].   (B, n, d) -> (B, n_F + n_L, d)."""
   x = np.asarray(x, np.float64)
   b, _, d = x.shape
-  f = fm(p["fmb"]["fm"]["y"], x) if "y" in p["fmb"].get("fm", {}) else fm_pairs(x)  # projected | pairs
+  projected = "y" in p["fmb"].get("fm", {})
+  f = fm(p["fmb"]["fm"]["y"], x) if projected else fm_pairs(x)
   h = ln(p["fmb"]["norm"], f.reshape(b, -1), LN_EPS_MLP)
   fmb = mlp(p["fmb"]["mlp"], h).reshape(b, -1, d)  # (B, n_F, d)
   lcb = np.einsum("ln,bnd->bld", p["lcb"]["w"], x)
@@ -445,6 +446,8 @@ def gem(p, cfg, spec, feature_dims: Mapping[str, int], inputs):
                              score=cfg.attn_score) for i, (s, v, _, _) in enumerate(streams)]
   seq_summary = np.concatenate([s_sum] + targets, 1)  # (B, K (c+p+r+Q), d)
   feats = np.concatenate([x, x_sum, seq_summary], 1).reshape(b, -1)
+  if p.get("trunk_gate") is not None:  # the deep features, scaled by a learned scalar
+    feats = feats * p["trunk_gate"]
   if cfg.trunk_pairs:
     feats = np.concatenate([feats, fm_pairs(x0)], 1)  # + <x0_i, x0_j>, i < j
   trunk = mlp(p["trunk"], feats, final="relu")  # (B, H)

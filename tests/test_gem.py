@@ -28,9 +28,26 @@ def tiny():
   cfg = get_config("tiny")
   fd = feature_dims(cfg.d_model)
   model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))
+  model.trunk_gate[...] = jnp.full((1,), 0.7)  # as after training (it starts at 0: ReZero)
   graphdef, state = nnx.split(model)
   fwd = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, return_aux=True))
   return cfg, fd, model, state, fwd
+
+
+def test_trunk_gate_starts_closed_and_opens():
+  """At init the deep features reach the trunk scaled by 0 (logits depend on the front-end
+  pairs and heads only), and the gate's gradient is nonzero, so training opens it."""
+  cfg = get_config("tiny")
+  fd = feature_dims(cfg.d_model)
+  model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))
+  assert float(model.trunk_gate[...][0]) == 0.0
+  x = random_inputs(SPEC, fd, B, seed=3)
+  y = np.random.default_rng(0).integers(0, 2, size=(B, 2)).astype(np.float32)
+  g = nnx.grad(lambda m: masked_multitask_bce(m(x), y, np.ones_like(y)))(model)
+  assert abs(float(g.trunk_gate[...][0])) > 0
+  assert float(jnp.sum(jnp.abs(g.blocks[0].interaction.lcb.w[...]))) == 0.0  # closed: no grad
+  assert GEM(dataclasses.replace(cfg, trunk_gate=False), SPEC, fd,
+             rngs=nnx.Rngs(0)).trunk_gate is None
 
 
 def test_pyramid_lengths():

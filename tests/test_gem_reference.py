@@ -55,14 +55,15 @@ def _keys(key_path):
 
 
 def random_params(abstract_state, seed):
-  """Norm scales 1 + 0.2 N, vectors 0.2 N, matrices N(0, 1 / fan_in) (fan_in = shape[-2])."""
+  """Norm scales and the trunk gate 1 + 0.2 N, vectors 0.2 N, matrices N(0, 1 / fan_in)
+  (fan_in = shape[-2])."""
   rng = np.random.default_rng(seed)
 
   def fill(key_path, a):
     if len(a.shape) >= 2:
       v = rng.normal(size=a.shape) / np.sqrt(a.shape[-2])
     else:
-      v = (_keys(key_path)[-1] == "scale") + 0.2 * rng.normal(size=a.shape)
+      v = (_keys(key_path)[-1] in ("scale", "trunk_gate")) + 0.2 * rng.normal(size=a.shape)
     return v.astype(a.dtype)
 
   return jax.tree_util.tree_map_with_path(fill, abstract_state)

@@ -135,10 +135,10 @@ def test_variants_and_model_overrides():
 
 # -------------------------------------------------------------- end to end --
 
-def _run(*args):
+def _run(*args, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        timeout=300, env=env, check=False)
+                        timeout=timeout, env=env, check=False)
 
 
 def test_end_to_end_resume_and_table_only(tmp_path):
@@ -172,3 +172,21 @@ def test_end_to_end_resume_and_table_only(tmp_path):
   only = _run("--out", out, "--table-only")
   assert only.returncode == 0, only.stderr[-3000:]
   assert only.stdout == table
+
+
+@pytest.mark.slow
+def test_gem_learns_planted_pairs_that_its_wukong_stack_alone_misses(tmp_path):
+  """GEM (default: the front-end pairs reach the trunk) against GEM without them and LR, on
+  160k rows of `pairs` (one pass, 20k eval rows). docs/RESULTS.md, "Interaction benchmark",
+  has the 1M-row numbers; at 320k rows: LR ~0.82, GEM without the pairs 0.826, GEM 0.862."""
+  out = str(tmp_path / "q")
+  p = _run("--out", out, "--rows", "160000", "--eval-rows", "20000", "--seeds", "1",
+           "--models", "lr,gem", "--kinds", "pairs",
+           "--variant", "gem_wukong_only=--config.model.overrides.trunk_pairs=False",
+           timeout=1800)
+  assert p.returncode == 0, p.stderr[-3000:]
+  with open(os.path.join(out, "results.jsonl")) as f:
+    auc = {r["model"]: r["summary"]["eval_auc"] for r in map(json.loads, f)}
+  print(auc)
+  assert auc["gem"] > auc["lr"] + 0.015
+  assert auc["gem"] > auc["gem_wukong_only"] + 0.01

@@ -37,8 +37,11 @@ class GEMConfig:
       block (True), or the first block's Wukong layer reads the n0 feature tokens (False).
     trunk_pairs: GEM's trunk also reads every dot product <E_i, E_j>, i < j, of the n0
       front-end tokens (default True; docs/RESULTS.md "Interaction benchmark" says why).
-      token_mix and trunk_pairs are GEM's: the student's stack reads its raw tokens and its
-      trunk only the last Wukong layer.
+    trunk_gate: with trunk_pairs, the deep features (X_N, X_sum, S_sum, T_i) enter the trunk
+      scaled by a learned scalar that starts at 0 (ReZero), so training starts from the pairs
+      (default True; without it the LayerNorm'd deep features swamp the pairs early on).
+      token_mix, trunk_pairs and trunk_gate are GEM's: the student's stack reads its raw
+      tokens and its trunk only the last Wukong layer.
     cross_layer: cross-layer attention between blocks (GEM.md §3.1 proposal).
   Sequences:
     num_heads, ffn_mult, attn_score ('softmax'|'silu'), attn_mask ('full'|'causal'|'block_local'),
@@ -70,6 +73,7 @@ class GEMConfig:
   wukong_fm: str = "projected"
   token_mix: bool = True
   trunk_pairs: bool = True
+  trunk_gate: bool = True
   cross_layer: bool = True
   num_heads: int = 2
   ffn_mult: int = 2

@@ -136,6 +136,8 @@ class GEM(nnx.Module):
         for _ in range(k)])
     self.front_pairs = (FM(n0, 1, mode="pairs", rngs=rngs, **prec) if cfg.trunk_pairs
                         else None)
+    self.trunk_gate = (param(rngs, nnx.initializers.zeros_init(), (1,), jnp.float32, (None,))
+                       if cfg.trunk_pairs and cfg.trunk_gate else None)
     trunk_in = (n + cfg.num_x_summary + k * (self.n_summary + cfg.num_queries)) * d
     trunk_in += self.front_pairs.width if cfg.trunk_pairs else 0
     self.trunk = MLP(trunk_in, cfg.trunk_hidden, rngs=rngs, final_activation="relu",
@@ -205,6 +207,8 @@ class GEM(nnx.Module):
     seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
     feats = constrain_batch(jnp.concatenate([x, x_sum, seq_summary], axis=1))  # (B, n+m+K(c+p+r+Q), d)
     feats = feats.reshape(b, -1)
+    if self.trunk_gate is not None:  # the deep features start closed (ReZero)
+      feats = (feats.astype(jnp.float32) * self.trunk_gate[...]).astype(feats.dtype)
     if self.front_pairs is not None:  # + <x0_i, x0_j>, i < j: (B, n0 (n0 - 1) / 2)
       feats = jnp.concatenate([feats, self.front_pairs(x0).astype(feats.dtype)], axis=1)
     trunk = self.trunk(feats)  # (B, H)
