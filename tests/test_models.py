@@ -147,7 +147,7 @@ def test_student_teacher_embeddings_and_shared_modules():
 def test_dot_pairs_matches_gather_and_autodiff():
   """dot_pairs (selection matmul, symmetric backward) = Z Z^T indexed, values and
   gradients, for DLRM's strict upper triangle and for pairs with i == j and repeats."""
-  from gem_jax.models.dlrm import dot_pairs
+  from gem_jax.layers.pairs import dot_pairs
   z = jnp.asarray(np.random.default_rng(0).normal(size=(32, 5, 8)), jnp.float32)
   iu = np.triu_indices(5, k=1)
   for rows, cols in [(iu[0], iu[1]), (np.array([0, 2, 2, 4, 1]), np.array([0, 3, 2, 1, 3]))]:

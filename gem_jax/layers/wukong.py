@@ -21,11 +21,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.mlp import MLP, LayerNorm, checkpoint_call
+from gem_jax.layers.pairs import upper_pairs
 
 Dtype = Any
 
@@ -61,15 +61,16 @@ class FM(nnx.Module):
     if mode == "projected":
       self.y = param(rngs, _token_init(n), (n, k), param_dtype, ("tokens", None))
     else:
-      iu = np.triu_indices(n, k=1)
-      self.pair_index = tuple(int(i * n + j) for i, j in zip(*iu))  # flat index of (i, j), i < j
+      rows, cols = upper_pairs(n)
+      self.pair_index = tuple(i * n + j for i, j in zip(rows, cols))  # flat index of (i, j)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(self.dtype)
     if self.mode == "pairs":
+      # A gather, not dot_pairs' selection matmul (2 n^2 P FLOPs: O(n^4) at GEM's n0).
       g = lowp_einsum("bnd,bmd->bnm", x, x, self.dtype)  # (B, n, n)
       flat = g.reshape(g.shape[0], -1)  # (B, n n)
-      return jnp.take(flat, np.asarray(self.pair_index), axis=1).astype(self.dtype)  # (B, n(n-1)/2)
+      return jnp.take(flat, jnp.asarray(self.pair_index), axis=1).astype(self.dtype)  # (B, P)
     y = self.y[...]  # fp32: lowp_einsum casts it and returns its gradient in fp32
     xty = lowp_einsum("bnd,nk->bdk", x, y, self.dtype)  # (B, d, k)
     f = lowp_einsum("bnd,bdk->bnk", x, xty, self.dtype)  # (B, n, k)

@@ -16,7 +16,6 @@ over valid events of each stream's item-feature embeddings (one row per item fea
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
@@ -29,6 +28,7 @@ from gem_jax.layers.cross import LowRankCrossNet
 from gem_jax.layers.dense import Dense
 from gem_jax.layers.features import SparseProjector
 from gem_jax.layers.mlp import MLP
+from gem_jax.layers.pairs import dot_pairs, upper_pairs
 from gem_jax.models.config import GEMConfig
 
 
@@ -37,45 +37,6 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   m = mask.astype(jnp.float32)[..., None]  # (B, L, 1)
   s = jnp.sum(jnp.where(m > 0, x.astype(jnp.float32), 0.0), axis=1)  # (B, D)
   return s / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-
-
-def _pair_selection(num_rows: int, rows: tuple[int, ...], cols: tuple[int, ...]) -> np.ndarray:
-  """S (P, F*F): S[p, rows[p] * F + cols[p]] = 1."""
-  s = np.zeros((len(rows), num_rows * num_rows), np.float32)
-  s[np.arange(len(rows)), np.asarray(rows) * num_rows + np.asarray(cols)] = 1.0
-  return s
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def dot_pairs(z: jax.Array, rows: tuple[int, ...], cols: tuple[int, ...]) -> jax.Array:
-  """<z_i, z_j> for the pairs (i, j) = (rows[p], cols[p]): z (B, F, D) -> (B, P), fp32.
-
-  Forward: zz = Z Z^T (B, F, F), then pairs = flatten(zz) S^T with the 0/1 selection
-  S (P, F*F) (a matmul, not a gather). Backward, with G (B, F, F) the pair gradients
-  put back in place (g S) and symmetrized: dz = (G + G^T) Z, one batched matmul.
-  Autodiff would emit a scatter-add and a batched dot contracting a non-minor axis,
-  both slow on XLA:CPU (4-5 ms of the dlrm_peer step at batch 4096).
-  """
-  zz = jnp.einsum("bid,bjd->bij", z, z, preferred_element_type=jnp.float32)  # (B, F, F)
-  sel = _pair_selection(z.shape[1], rows, cols)
-  return jnp.dot(zz.reshape(z.shape[0], -1), sel.T,
-                 precision=jax.lax.Precision.HIGHEST)  # (B, P)
-
-
-def _pairs_fwd(z, rows, cols):
-  return dot_pairs(z, rows, cols), z
-
-
-def _pairs_bwd(rows, cols, z, g):
-  b, f, _ = z.shape
-  sel = _pair_selection(f, rows, cols)
-  gm = jnp.dot(g, sel, precision=jax.lax.Precision.HIGHEST).reshape(b, f, f)  # (B, F, F)
-  gm = (gm + jnp.swapaxes(gm, 1, 2)).astype(z.dtype)
-  dz = jnp.einsum("bij,bjd->bid", gm, z, preferred_element_type=jnp.float32)  # (B, F, D)
-  return (dz.astype(z.dtype),)
-
-
-dot_pairs.defvjp(_pairs_fwd, _pairs_bwd)
 
 
 def feature_order(spec: DataSpec) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
@@ -113,8 +74,7 @@ class DLRM(nnx.Module):
     t = len(names)
     self.num_rows = t + 1
     if self.interaction == "dot":
-      iu = np.triu_indices(t + 1, k=1)
-      self.triu = (tuple(int(i) for i in iu[0]), tuple(int(j) for j in iu[1]))
+      self.triu = upper_pairs(t + 1)
       width = d + t * (t + 1) // 2
       self.crossnet = None
     else:

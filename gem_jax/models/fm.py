@@ -31,13 +31,13 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from gem_jax.data.spec import DataSpec
 from gem_jax.layers.dense import param
 from gem_jax.models.config import GEMConfig
-from gem_jax.models.dlrm import dot_pairs, feature_order
+from gem_jax.layers.pairs import dot_pairs, upper_pairs
+from gem_jax.models.dlrm import feature_order
 from gem_jax.models.linear import LinearModel, linear_flops
 
 
@@ -110,7 +110,7 @@ class FwFM(_Pairwise):
   """Field-weighted FM: LinearModel + sum_{i<j} r[(i,j), t] <e_i, e_j> (module docstring).
 
   Pairs (i, j), i < j, in field order (pooled features, then sequence item features),
-  row-major over the strict upper triangle (as DLRM's), through dlrm.dot_pairs.
+  row-major over the strict upper triangle (as DLRM's), through layers.pairs.dot_pairs.
   r (n_pairs, n_tasks) starts at 1 / F.
 
   Call: (inputs, return_aux=False) -> logits (B, n_tasks) fp32, or (logits, aux) with
@@ -122,8 +122,7 @@ class FwFM(_Pairwise):
   def __init__(self, cfg: GEMConfig, spec: DataSpec, feature_dims: Mapping[str, int], *,
                rngs: nnx.Rngs):
     super().__init__(cfg, spec, feature_dims, rngs=rngs)
-    iu = np.triu_indices(self.num_fields, k=1)
-    self.triu = (tuple(int(i) for i in iu[0]), tuple(int(j) for j in iu[1]))
+    self.triu = upper_pairs(self.num_fields)
     self.pair_weight = param(rngs, nnx.initializers.constant(1.0 / self.num_fields),
                              (len(self.triu[0]), len(spec.tasks)), cfg.params_dtype,
                              (None, None))
