@@ -45,12 +45,17 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.kind = "synthetic"           # source (gem_jax.data.registry): synthetic, criteo, ...
+  c.data.format = "auto"              # 'text' | 'parquet' (scripts/preprocess.py output) |
+                                      # 'auto': parquet where data.train/eval is such a dataset
   c.data.train = ""                   # file sources: train files (path, comma list or glob)
   c.data.eval = ""                    # file sources: eval files
   c.data.batch_size = 256             # global train batch (all devices, all processes)
   c.data.eval_batch_size = 256        # global eval batch
   c.data.eval_examples = 0            # eval rows; 0: the whole eval file (generated data: set it)
   c.data.shuffle_buffer = 0           # file sources: block-shuffle size in rows (<= 1: file order)
+  c.data.lanes = 16                   # parquet: row streams per batch (batch % lanes == 0,
+                                      # lanes % process count == 0; fixes the batch order)
+  c.data.reader_workers = 2           # parquet: threads reading row groups ahead
   c.data.bad_row_limit = 0.01         # file sources: bad-row fraction that stops the run
   c.data.vocab_size = 1 << 20         # file sources: table rows (hash buckets) per id feature
   c.data.int_buckets = False          # criteo: also embed the bucketised integer features

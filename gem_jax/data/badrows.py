@@ -67,6 +67,15 @@ class BadRowCounter:
       if len(self.reports) == self.max_reports:
         log.warning("further bad rows are counted but not reported")
 
+  def merge(self, other: "BadRowCounter") -> None:
+    """Adds the counts and reports of `other` (e.g. one block parsed on a worker)."""
+    self.rows += other.rows - other.bad
+    for msg in other.reports:
+      self.report(*msg.split(": ", 1))
+    extra = other.bad - len(other.reports)
+    self.rows += extra
+    self.bad += extra
+
   def check(self, end_of_pass: bool = False) -> None:
     """Raises BadRowLimitError if the bad fraction is over the limit."""
     if self.rows == 0 or (self.rows < self.min_rows and not end_of_pass):

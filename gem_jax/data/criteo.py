@@ -16,6 +16,11 @@ Row format (no header, 40 tab-separated fields):
 
 Bad rows (see badrows.py): a field count other than 40, a label other than
 0/1, a non-integer I field, a C field that is not 8 hex digits.
+
+`CriteoSource.parse_block` is the vectorised parser of the converter
+(scripts/preprocess.py): pyarrow's CSV reader with explicit column types and a
+lookup-table hex decoder, the same values and bad rows as `parse` + `collate`
+(a block with a row the fast path cannot decide is re-parsed row by row).
 """
 from __future__ import annotations
 
@@ -24,8 +29,12 @@ import re
 from typing import Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyarrow import csv as pa_csv
 
 from gem_jax.data import text
+from gem_jax.data.badrows import BadRow
 from gem_jax.data.source import LineSource, base_batch, valid_rows
 from gem_jax.data.spec import DataSpec, SparseFeatureSpec
 
@@ -36,6 +45,12 @@ INT_BUCKETS = 256
 INT_NAMES = tuple(f"I{i}" for i in range(1, N_INT + 1))
 CAT_NAMES = tuple(f"C{i}" for i in range(1, N_CAT + 1))
 BUCKET_NAMES = tuple(f"B{i}" for i in range(1, N_INT + 1))
+_HEX_LUT = np.full(256, 255, np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+  _HEX_LUT[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+  _HEX_LUT[_c] = 10 + _i
+_NIBBLE_SHIFT = np.arange(4 * (CAT_WIDTH - 1), -1, -4, dtype=np.int64)   # (8,) 28, 24, .., 0
 _ROW = re.compile(rb"[01]" + rb"(?:\t(?:-?[0-9]{1,18})?)" * N_INT
                   + rb"(?:\t(?:[0-9a-fA-F]{%d})?)" % CAT_WIDTH * N_CAT)
 
@@ -49,6 +64,32 @@ def int_bucket(x: int | None) -> int:
   if x <= 2:
     return 2 + x
   return min(5 + int(math.log(x) ** 2), INT_BUCKETS - 1)
+
+
+def int_buckets_of(x: np.ndarray, missing: np.ndarray) -> np.ndarray:
+  """`int_bucket` of an int64 array (missing where `missing`), vectorised."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    log_sq = np.floor(np.log(np.maximum(x, 3).astype(np.float64)) ** 2).astype(np.int64)
+  b = np.where(x < 0, 1, np.where(x <= 2, 2 + x, np.minimum(5 + log_sq, INT_BUCKETS - 1)))
+  return np.where(missing, 0, b)
+
+
+def hex_ids(col: pa.Array) -> np.ndarray | None:
+  """Raw ids of a binary column of 8-hex-digit ids ('' -> -1); None if any value is not."""
+  col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+  n = len(col)
+  offsets = np.frombuffer(col.buffers()[1], np.int32, n + 1, col.offset * 4)
+  lengths = np.diff(offsets)
+  present = lengths == CAT_WIDTH
+  if not np.all(present | (lengths == 0)):
+    return None
+  data = np.frombuffer(col.buffers()[2], np.uint8, offsets[-1] - offsets[0], offsets[0])
+  nib = _HEX_LUT[data.reshape(-1, CAT_WIDTH)]                              # (n', 8)
+  if (nib == 255).any():
+    return None
+  out = np.full(n, -1, np.int64)
+  out[present] = (nib.astype(np.int64) << _NIBBLE_SHIFT).sum(axis=1)
+  return out
 
 
 def criteo_spec(vocab_size: int = 1 << 20, int_buckets: bool = False) -> DataSpec:
@@ -93,6 +134,92 @@ class CriteoSource(LineSource):
     ints = [text.parse_int(t, INT_NAMES[j]) if t else None for j, t in enumerate(f[1:14])]
     cats = [text.parse_hex(t, CAT_NAMES[j], CAT_WIDTH) if t else -1 for j, t in enumerate(f[14:])]
     return label, ints, cats
+
+  def parse_block(self, data: bytes, path: str, first_line: int, counter) -> dict:
+    """Leaves (gem_jax.data.columnar.flatten) of the good rows of `data`, whole lines of
+    `path` from line `first_line` on; bad rows are reported to `counter`."""
+    bad: list[tuple[int, str]] = []
+
+    def invalid(row):
+      if row.text.strip():
+        bad.append((row.number, f"expected {N_FIELDS} fields separated by b'\\t', "
+                                f"got {row.actual_columns}"))
+      return "skip"
+
+    names = ["label", *INT_NAMES, *CAT_NAMES]
+    types = {"label": pa.int64(), **{n: pa.int64() for n in INT_NAMES},
+             **{n: pa.binary() for n in CAT_NAMES}}
+    try:
+      t = pa_csv.read_csv(
+          pa.py_buffer(data),
+          read_options=pa_csv.ReadOptions(column_names=names, use_threads=False,
+                                          block_size=max(1 << 20, len(data) + 1)),
+          parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False,
+                                            ignore_empty_lines=False,
+                                            invalid_row_handler=invalid),
+          convert_options=pa_csv.ConvertOptions(column_types=types, null_values=[""],
+                                                strings_can_be_null=False))
+      leaves = self._block_leaves(t)
+    except pa.ArrowInvalid:
+      leaves = None
+    if leaves is None:   # something only the row parser can name: parse the block row by row
+      return self._parse_block_rows(data, path, first_line, counter)
+    for number, reason in bad:
+      counter.report(f"{path}:{first_line + number - 1}", reason)
+    for _ in range(len(leaves["domain"])):
+      counter.good()
+    return leaves
+
+  def _block_leaves(self, t: pa.Table) -> dict | None:
+    label = t.column("label").to_numpy(zero_copy_only=False)
+    if np.isnan(label).any():   # a null label: a blank row (skipped) or a bad one
+      blank = np.isnan(label)
+      for n in (*INT_NAMES, *CAT_NAMES):
+        c = t.column(n)
+        blank &= (c.is_null().to_numpy(zero_copy_only=False) if n in INT_NAMES
+                  else (pc.binary_length(c).to_numpy(zero_copy_only=False) == 0))
+      if not np.array_equal(blank, np.isnan(label)):
+        return None
+      t = t.filter(pa.array(~blank))
+      label = t.column("label").to_numpy(zero_copy_only=False)
+    label = label.astype(np.int64)
+    if not np.all((label == 0) | (label == 1)):
+      return None
+    n = t.num_rows
+    ints = np.zeros((n, N_INT), np.int64)
+    missing = np.zeros((n, N_INT), bool)
+    for j, name in enumerate(INT_NAMES):
+      c = t.column(name).combine_chunks()
+      missing[:, j] = c.is_null().to_numpy(zero_copy_only=False)
+      ints[:, j] = c.fill_null(0).to_numpy()
+    if (np.abs(ints) >= 10 ** 18).any():     # the row parser allows at most 18 digits
+      return None
+    leaves = {"dense": np.log1p(np.maximum(ints, 0).astype(np.float64)).astype(np.float32),
+              "domain": np.zeros(n, np.int32), "labels": label[:, None].astype(np.float32),
+              "label_mask": np.ones((n, 1), np.float32)}
+    for name in CAT_NAMES:
+      ids = hex_ids(t.column(name))
+      if ids is None:
+        return None
+      leaves[f"ids/{name}"] = ids[:, None]                                   # (n, 1)
+    if self.int_buckets:
+      b = int_buckets_of(ints, missing)                                       # (n, 13)
+      leaves.update({f"ids/{name}": b[:, j:j + 1] for j, name in enumerate(BUCKET_NAMES)})
+    return leaves
+
+  def _parse_block_rows(self, data: bytes, path: str, first_line: int, counter) -> dict:
+    from gem_jax.data.columnar import flatten  # pylint: disable=import-outside-toplevel
+    examples = []
+    for i, line in enumerate(data.split(b"\n")):
+      line = line.rstrip(b"\r")
+      if not line.strip():
+        continue
+      try:
+        examples.append(self.parse(line))
+        counter.good()
+      except BadRow as e:
+        counter.report(f"{path}:{first_line + i}", str(e))
+    return flatten(self.collate(examples))
 
   def collate(self, examples: list) -> dict:
     b = len(examples)

@@ -6,6 +6,12 @@ shuffles with `data.shuffle_buffer`) or 'eval' (reads `data.eval`, file order).
 Readers are imported lazily, so a run only imports what it uses. Own formats
 can be added with `register(kind, factory)` where `factory(data_cfg, split)`
 returns a source (see gem_jax/data/source.py).
+
+`data.format` picks the file format of each split: 'text' (the kind's reader),
+'parquet' (a dataset converted by scripts/preprocess.py, read by
+gem_jax.data.parquet.ParquetSource, checked against `data.kind` and its
+options), or 'auto' (default): parquet for a split whose path is a converted
+dataset directory, text otherwise.
 """
 from __future__ import annotations
 
@@ -36,17 +42,45 @@ def _load(path: str):
   return getattr(importlib.import_module(module), name)
 
 
+FORMATS = ("auto", "text", "parquet")
+
+
+def _columnar(data_cfg, split: str) -> bool:
+  fmt = data_cfg.get("format", "auto")
+  if fmt not in FORMATS:
+    raise ValueError(f"unknown data.format {fmt!r}; known: {list(FORMATS)}")
+  if fmt == "auto":
+    from gem_jax.data import columnar  # pylint: disable=import-outside-toplevel
+    return columnar.is_dataset(data_cfg.get(split, ""))
+  return fmt == "parquet"
+
+
 def make_sources(data_cfg):
-  """(train_source, eval_source) for `data_cfg.kind`."""
-  kind = data_cfg.kind
-  if kind == "synthetic":
+  """(train_source, eval_source) for `data_cfg.kind` and `data_cfg.format`."""
+  columnar = {split: _columnar(data_cfg, split) for split in ("train", "eval")}
+  if any(columnar.values()):
+    from gem_jax.data.parquet import ParquetSource  # pylint: disable=import-outside-toplevel
+    text = None if all(columnar.values()) else _text_sources(data_cfg)
+    return tuple(ParquetSource.from_config(data_cfg, split) if columnar[split] else text[i]
+                 for i, split in enumerate(("train", "eval")))
+  return _text_sources(data_cfg)
+
+
+def _text_sources(data_cfg):
+  if data_cfg.kind == "synthetic":
     from gem_jax.data.synthetic import SyntheticSource  # pylint: disable=import-outside-toplevel
     out = SyntheticSource.from_config(data_cfg)
     return out if isinstance(out, tuple) else (out, out)
+  return file_source(data_cfg, "train"), file_source(data_cfg, "eval")
+
+
+def file_source(data_cfg, split: str):
+  """The `data.kind` reader of `split` ('train' | 'eval') of the raw files."""
+  kind = data_cfg.kind
   if kind in _CUSTOM:
-    factory = _CUSTOM[kind]
-  elif kind in _BUILTIN:
-    factory = _load(_BUILTIN[kind]).from_config
-  else:
-    raise ValueError(f"unknown data.kind {kind!r}; known: {kinds()}")
-  return factory(data_cfg, "train"), factory(data_cfg, "eval")
+    return _CUSTOM[kind](data_cfg, split)
+  if kind in _BUILTIN:
+    return _load(_BUILTIN[kind]).from_config(data_cfg, split)
+  if kind == "synthetic":
+    raise ValueError("data.kind 'synthetic' is generated, not read from files")
+  raise ValueError(f"unknown data.kind {kind!r}; known: {kinds()}")

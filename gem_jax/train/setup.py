@@ -27,6 +27,7 @@ from gem_jax import embedding as emb_lib
 from gem_jax import flops as flops_lib
 from gem_jax.data import pipeline
 from gem_jax.data import registry as data_registry
+from gem_jax.data.columnar import DatasetError
 from gem_jax.data.source import LineSource
 from gem_jax.data.spec import DataSpec
 from gem_jax.models import config as model_config_lib
@@ -95,7 +96,7 @@ def sources(config) -> tuple[Any, Any, dict | None]:
   """(train source, eval source, shared tables or None) of the `data` block."""
   try:
     train_src, eval_src = data_registry.make_sources(config.data)
-  except (FileNotFoundError, OSError) as e:
+  except (FileNotFoundError, OSError, DatasetError) as e:
     raise ConfigError(f"config.data ({config.data.kind}): {e}") from None
   shared = getattr(train_src, "shared_vocab", None) if config.embedding.share_tables else None
   return train_src, eval_src, shared
