@@ -5,6 +5,7 @@
   python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec --json
   python scripts/benchmark.py --config medium --set model.fp8=True --json
   python scripts/benchmark.py --config small --devices 1 --matmul-ceiling
+  python scripts/benchmark.py --config medium --devices 1 --input device --json
 
 Prints a readable table (stderr) and, with --json, one JSON line per run on
 stdout (also appended to --out). With --peer torchrec, gem_jax and the peer
@@ -15,6 +16,17 @@ precision (gem_jax bf16 compute -> the peer's `--autocast bf16`, fp32 -> off;
 gem_jax / TorchRec of examples/s, the precision of each side, and the load average
 of every run. Fields: see gem_jax/bench/runner.py. Host memory uses transparent
 huge pages for both sides unless --no-hugepages (gem_jax/hostmem.py).
+
+Input (--input, JSON field `input`): `host` (default) cycles a pool of --pool
+batches of the config's source, put on the devices before timing, so neither
+Python nor the transfer is timed; it is the default because the TorchRec peer
+reads the same pool (same arrays) and earlier results were measured this way.
+`device` draws every timed step's batch on the devices
+(gem_jax/data/device_synthetic.py: jitted, in the step's shardings, a new key per
+step); its generation is inside each timed step (`input_ms_median`: the generator
+alone), the warm-up steps still read the source's first batches (the loss check's
+reference). Use it when a pool of host batches is too slow to build or too
+repetitive (the same few batches' rows in cache); --peer needs `host`.
 """
 import argparse
 import ast
@@ -33,7 +45,10 @@ def parse_args(argv=None):
   p.add_argument("--out", default=None, help="append the JSON lines to this file")
   p.add_argument("--steps", type=int, default=20, help="timed steps (>= 20 for reports)")
   p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--pool", type=int, default=4, help="distinct device batches cycled")
+  p.add_argument("--pool", type=int, default=4, help="distinct device batches cycled (host)")
+  p.add_argument("--input", choices=["host", "device"], default="host",
+                 help="host: a pool of the source's batches, put on the devices before "
+                      "timing; device: a fresh batch generated on the devices every step")
   p.add_argument("--repeat", type=int, default=1, help="runs (alternating with the peer)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="config override, e.g. --set data.batch_size=1024 (Python literal values)")
@@ -84,6 +99,8 @@ def _precisions(config, autocast: str) -> dict:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.peer and args.input != "host":
+    raise SystemExit("--peer compares both sides on the same arrays: use --input host")
   n = args.devices or 1
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
@@ -99,6 +116,7 @@ def main(argv=None):
     raise SystemExit(f"--matmul-ceiling times one device's dots: use --devices 1, not {n}")
   name = os.path.basename(args.config)[:-3] if args.config.endswith(".py") else args.config
   opts = runner.BenchOptions(steps=args.steps, warmup=args.warmup, pool=args.pool,
+                             input=args.input,
                              cache_dir=args.cache_dir, warm_compile=not args.no_warm_compile,
                              dense_part=not args.no_dense_part, dump_hlo=args.dump_hlo,
                              matmul_ceiling=args.matmul_ceiling)

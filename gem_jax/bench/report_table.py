@@ -22,6 +22,9 @@ def format_run(r: dict) -> str:
       ("devices / mesh", f"{r.get('devices')} {r.get('backend')} ({r.get('device_kind')}) "
                          f"mesh {r.get('mesh')}"),
       ("batch", _num(r.get("batch_size"), "{:,d}")),
+      ("input", f"{r.get('input', 'host')} " + (
+          f"(generated on the devices, {_num(r['input_ms_median'], '{:.2f}')} ms alone)"
+          if r.get("input_ms_median") is not None else f"(pool of {r.get('pool')})")),
       ("examples/s (median step)", _num(r.get("examples_per_s"))),
       ("examples/s (pipelined)", _num(r.get("examples_per_s_pipelined"))),
       ("step ms median/min/max", f"{_num(r.get('step_ms_median'), '{:.2f}')} / "

@@ -6,14 +6,23 @@ What is measured, in this order (all in one process):
   1. peak FLOP/s per device: the vendor table on GPU/TPU (`report.peak_flops_per_device`)
      and a matmul probe on every platform (CPU: `report.matmul_probe_flops`, the MFU
      denominator; GPU: a bf16 (8192^3) product);
-  2. setup + state exactly as the trainer builds them (`gem_jax.train.setup`); a pool of `pool`
-     host batches put on the devices before timing (data is not timed);
+  2. setup + state exactly as the trainer builds them (`gem_jax.train.setup`) and the input
+     (`input`): 'host' (the default): a pool of `pool` host batches of the config's source,
+     put on the devices before timing and cycled (data is not timed; the TorchRec peer
+     does the same on the same arrays); 'device': the warm-up steps still read the
+     source's first batches (so `warmup_losses` stay comparable across backends,
+     `loss_check`), and every timed step draws a fresh batch on the device
+     (`gem_jax.data.device_synthetic`, jitted, in the step's shardings, step number as
+     key): its generation is inside the timing, one extra dispatch queued before the
+     step (no host work, no transfer); `input_ms_median` is the generator alone and
+     `input_compile_s` its compile (JSON fields `input`, `pool`: host batches cycled);
   3. compile time: cold (empty persistent cache) and warm (in-memory caches cleared,
      the same program loaded from the now-primed persistent cache);
   4. `warmup` untimed steps, then `steps` steps timed one by one (median/min/max),
      then the same number dispatched back to back (pipelined examples/s);
   5. optionally the dense part alone: `step.dense_grads` + the dense optimizer on
-     fixed embeddings (no lookup, no exchange, no sparse update), for dense MFU;
+     fixed embeddings (no lookup, no exchange, no sparse update), for dense MFU
+     (its batches from the same input, generation timed with it under 'device');
   6. optionally the MFU ceiling of the dense part's matmul shapes: every dot of its
      traced program timed alone (`gem_jax.bench.matmul_ceiling`).
 
@@ -41,6 +50,7 @@ from gem_jax import hostmem
 from gem_jax import embedding as emb_lib
 from gem_jax.bench import matmul_ceiling
 from gem_jax.bench import timing
+from gem_jax.data import device_synthetic
 from gem_jax.data import pipeline
 from gem_jax.train import report
 from gem_jax.train import setup as setup_lib
@@ -127,6 +137,22 @@ def device_batches(s: setup_lib.Setup, config, n: int) -> list[dict]:
   return [put(host) for host in pipeline.take(it, n)]
 
 
+def device_input(s: setup_lib.Setup, config, like: dict):
+  """The device-side generator of `config`'s global batches, a drop-in for `like`.
+
+  `like` is a host batch on the mesh (`device_batches`): the generator takes its
+  shardings (so the compiled step accepts its batches) and must match its
+  structure, shapes and dtypes (else ValueError naming the leaves).
+  """
+  gen = device_synthetic.device_batch_fn(
+      s.spec, config.data.batch_size, jax.tree.map(lambda x: x.sharding, like), plan=s.plan,
+      seed=config.seed, weights=tuple(like.get("weights", {})))
+  diff = device_synthetic.differences(jax.eval_shape(gen, 0), like)
+  if diff:
+    raise ValueError("device input does not match the source's batches: " + "; ".join(diff))
+  return gen
+
+
 def memory_figures(compiled) -> dict[str, float]:
   """Bytes per device of the compiled program (XLA's memory analysis)."""
   try:
@@ -188,11 +214,15 @@ def _matmul_ceiling(s, state, batch, step_flops_per_device, peak) -> dict[str, A
 
 # --------------------------------------------------------------------- run --
 
+INPUTS = ("host", "device")
+
+
 @dataclasses.dataclass
 class BenchOptions:
   steps: int = 20
   warmup: int = 3
-  pool: int = 4
+  pool: int = 4                    # host batches cycled ('host' input)
+  input: str = "host"              # host | device (see the module docstring)
   cache_dir: str | None = None     # None: a fresh temporary directory (cold = truly cold)
   warm_compile: bool = True
   dense_part: bool = True
@@ -207,10 +237,16 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
   load_before = timing.loadavg()
   peak = peaks(config.model.dtype if not config.model.fp8 else "float8")
 
+  if opts.input not in INPUTS:
+    raise ValueError(f"input {opts.input!r}: expected one of {INPUTS}")
   s = setup_lib.setup(config)
   state = setup_lib.init_state(s, config.seed)
-  batches = device_batches(s, config, opts.pool)
+  on_device = opts.input == "device"
+  # device input: host batches only for the warm-up steps (the loss check's reference)
+  batches = device_batches(s, config, max(1, min(opts.pool, opts.warmup)) if on_device
+                           else opts.pool)
   batch_sh = jax.tree.map(lambda x: x.sharding, batches[0])
+  gen = device_input(s, config, batches[0]) if on_device else None
   jitted = step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh)
   compiled, cold = report.timed_compile(jitted, state, batches[0])
   warm = None
@@ -222,13 +258,22 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     os.makedirs(os.path.dirname(os.path.abspath(opts.dump_hlo)), exist_ok=True)
     with open(opts.dump_hlo, "w", encoding="utf-8") as f:
       f.write(compiled.as_text())
+  gen_compile_s = None
+  if gen is not None:   # after the warm compile, whose clear_caches() would drop it
+    t0 = time.perf_counter()
+    jax.block_until_ready(gen(2**31 - 1))    # compile + first run (a key never timed)
+    gen_compile_s = time.perf_counter() - t0
 
   n = len(batches)
   losses = []
 
-  def one(i):
+  def batch_at(i, key):
+    """Pool batch i (host input, warm-up) or the device batch of step number `key`."""
+    return batches[i % n] if gen is None or key is None else gen(key)
+
+  def one(i, key=None):
     nonlocal state
-    state, metrics = compiled(state, batches[i % n])
+    state, metrics = compiled(state, batch_at(i, key))
     return state, metrics
 
   warmup_losses = []  # steps 1..warmup from init on batches 0.. (compared across backends)
@@ -236,15 +281,20 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     out = one(i)
     warmup_losses.append(float(jax.block_until_ready(out)[1]["train_loss"]))
   losses.append(warmup_losses[0] if warmup_losses else float("nan"))
+  w, k = opts.warmup, opts.steps   # device input keys: timed w.., pipelined w+k.., alone w+2k..
   meter = timing.CpuMeter()
-  times = timing.time_steps(lambda i: one(opts.warmup + i), opts.steps, jax.block_until_ready)
+  times = timing.time_steps(lambda i: one(w + i, w + i), k, jax.block_until_ready)
   contention = meter.stop()
   t0 = time.perf_counter()
-  for i in range(opts.steps):
-    out = one(i)
+  for i in range(k):
+    out = one(i, w + k + i)
   jax.block_until_ready(out)
   pipelined = time.perf_counter() - t0
   losses.append(float(out[1]["train_loss"]))
+  input_ms = None   # the generator alone, one blocked call per key
+  if gen is not None:
+    input_ms = 1e3 * float(np.median(timing.time_steps(lambda i: gen(w + 2 * k + i), k,
+                                                       jax.block_until_ready)))
 
   b = config.data.batch_size
   n_dev = s.mesh.size
@@ -257,6 +307,9 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
       "devices": n_dev, "mesh": list(s.mesh.devices.shape), "batch_size": b,
       "model": config.model.name, "preset": config.model.preset, "dtype": config.model.dtype,
       "fp8": bool(config.model.fp8), "warmup_steps": opts.warmup,
+      "input": opts.input, "pool": n if gen is None else None,
+      "input_compile_s": gen_compile_s,
+      "input_ms_median": input_ms,
       **stats.as_dict(),
       "examples_per_s_pipelined": opts.steps * b / pipelined,
       "compile_cold_s": cold.lower_s + cold.compile_s, "lower_s": cold.lower_s,
@@ -282,7 +335,7 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
                                             report.peak_flops_per_device(None, "bfloat16"))
 
   if opts.dense_part:
-    result.update(_dense_part(s, config, state, batches, opts, flops, n_dev,
+    result.update(_dense_part(s, config, state, batch_at, opts, flops, n_dev,
                               peak["peak_flops_per_device"]))
     result["dense_share_of_step"] = result["dense_step_ms_median"] / result["step_ms_median"]
   if opts.matmul_ceiling:
@@ -294,23 +347,26 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
   return result
 
 
-def _dense_part(s, config, state, batches, opts, flops, n_dev, peak) -> dict[str, Any]:
-  """Times the dense half alone on the embeddings of the first batch."""
-  emb = emb_lib.lookup(s.plan, state.emb, batches[0]["ids"], batches[0].get("weights"))
+def _dense_part(s, config, state, batch_at, opts, flops, n_dev, peak) -> dict[str, Any]:
+  """Times the dense half alone on the embeddings of the first batch (`batch_at(i, key)`:
+  the run's input, the device batches under keys after the step's)."""
+  first = batch_at(0, None)
+  emb = emb_lib.lookup(s.plan, state.emb, first["ids"], first.get("weights"))
   emb = jax.block_until_ready(emb)
   fn = dense_step_fn(s)
   params = jax.tree.map(lambda x: x.copy(), state.params)
   opt_state = jax.tree.map(lambda x: x.copy(), state.opt_state)
-  n = len(batches)
   carry = [params, opt_state]
+  key0 = opts.warmup + 3 * opts.steps   # past the main run's device keys
 
-  def one(i):
-    carry[0], carry[1], loss = fn(carry[0], carry[1], state.model_state, emb, batches[i % n])
+  def one(i, key):
+    batch = batch_at(i, key0 + key)
+    carry[0], carry[1], loss = fn(carry[0], carry[1], state.model_state, emb, batch)
     return loss
 
   for i in range(opts.warmup):
-    jax.block_until_ready(one(i))
-  times = timing.time_steps(one, opts.steps, jax.block_until_ready)
+    jax.block_until_ready(one(i, i))
+  times = timing.time_steps(lambda i: one(i, opts.warmup + i), opts.steps, jax.block_until_ready)
   st = timing.StepStats(tuple(times), config.data.batch_size)
   return {"dense_step_ms_median": 1e3 * st.median_s,
           "dense_examples_per_s": st.examples_per_s,
