@@ -53,8 +53,8 @@ class BadRowCounter:
     self.bad = 0
     self.reports: list[str] = []
 
-  def good(self) -> None:
-    self.rows += 1
+  def good(self, n: int = 1) -> None:
+    self.rows += n
 
   def report(self, where: str, reason: str) -> None:
     """Counts one bad row at `where` (`file:line`)."""
@@ -66,15 +66,6 @@ class BadRowCounter:
       log.warning("bad row skipped: %s", msg)
       if len(self.reports) == self.max_reports:
         log.warning("further bad rows are counted but not reported")
-
-  def merge(self, other: "BadRowCounter") -> None:
-    """Adds the counts and reports of `other` (e.g. one block parsed on a worker)."""
-    self.rows += other.rows - other.bad
-    for msg in other.reports:
-      self.report(*msg.split(": ", 1))
-    extra = other.bad - len(other.reports)
-    self.rows += extra
-    self.bad += extra
 
   def check(self, end_of_pass: bool = False) -> None:
     """Raises BadRowLimitError if the bad fraction is over the limit."""

@@ -14,7 +14,7 @@ written by `scripts/preprocess.py` (gem_jax/data/convert.py) and read by
   ----------------------------  ---------------------------  -------------------------
   'domain' (B,)                 int32                        (B,)
   'dense' (B, 13)               fixed_size_list<float>[13]   (B, 13)
-  'ids/C1' (B, 1)               fixed_size_list<int64>[1]    (B, 1)
+  'ids/C1' (B, 1)               int64                        (B, 1)
   'ids/hist_item' (B, L)        list<int64>, len[i] values   (B, L), padded with -1
   'seq/history/dt' (B, L)       list<float>, len[i] values   (B, L), padded with 0
   'seq/history/len' (B,)        int32                        (B,)
@@ -114,9 +114,9 @@ class Leaf:
     value = pa.from_numpy_dtype(np.dtype(self.dtype))
     if self.length is not None:
       return pa.list_(value)
-    if self.shape:
+    if int(np.prod(self.shape)) > 1:
       return pa.list_(value, int(np.prod(self.shape)))
-    return value
+    return value          # () and (1,): a plain column (no list levels to encode)
 
   def to_json(self) -> dict:
     return {"path": self.path, "dtype": self.dtype, "shape": list(self.shape),
@@ -182,11 +182,11 @@ def to_table(leaves: dict[str, np.ndarray], layout: list[Leaf]) -> pa.Table:
       offsets = np.zeros(n + 1, np.int32)
       np.cumsum(lens, out=offsets[1:])
       cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(x[keep])))
-    elif leaf.shape:
+    elif int(np.prod(leaf.shape)) > 1:
       cols.append(pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)),
                                                     int(np.prod(leaf.shape))))
     else:
-      cols.append(pa.array(x))
+      cols.append(pa.array(x.reshape(-1)))
   return pa.Table.from_arrays(cols, schema=schema(layout))
 
 
@@ -201,10 +201,9 @@ def from_table(table: pa.Table, layout: list[Leaf]) -> dict[str, np.ndarray]:
   for leaf in layout:
     if leaf.length is None:
       col = table.column(leaf.path).combine_chunks()
-      if leaf.shape:
-        out[leaf.path] = col.flatten().to_numpy().reshape((n, *leaf.shape))
-      else:
-        out[leaf.path] = col.to_numpy()
+      if int(np.prod(leaf.shape)) > 1:
+        col = col.flatten()
+      out[leaf.path] = col.to_numpy().reshape((n, *leaf.shape))
   for leaf in layout:
     if leaf.length is not None:
       col = table.column(leaf.path).combine_chunks()

@@ -85,7 +85,8 @@ class DatasetWriter:
       self._file = {"path": name, "rows": 0, "row_groups": []}
       self._writer = pq.ParquetWriter(os.path.join(self.out_dir, name + ".tmp"),
                                       columnar.schema(self.layout),
-                                      compression=self.compression)
+                                      compression=self.compression,
+                                      write_statistics=False)  # no predicate pushdown here
     self._writer.write_table(columnar.to_table(head, self.layout), row_group_size=rows)
     self._file["rows"] += rows
     self._file["row_groups"].append(rows)
@@ -111,51 +112,53 @@ class DatasetWriter:
 
 def line_blocks(path: str, block_bytes: int, is_header=None) -> Iterator[tuple[bytes, int]]:
   """(data, first_line): whole lines of `path` (plain or gzip) in blocks of ~block_bytes,
-  with the 1-based line number of each block's first line; a header line is dropped."""
-  line = 1
+  and the 1-based line number of the block's first line if the header line was dropped
+  (2) or not (1); the line numbers of later blocks follow from the parser's line counts."""
   with open_binary(path) as f:
+    first_line = 1
     if is_header is not None:
-      first = f.readline()
-      if first and is_header(first.rstrip(b"\r\n")):
-        line = 2
-      else:
-        rest = f.readline() if not first.endswith(b"\n") else b""
-        data = first + rest
-        if data:
-          yield data, 1
-          line = 1 + data.count(b"\n")
+      head = f.readline()
+      if head and is_header(head.rstrip(b"\r\n")):
+        first_line, head = 2, b""
+    else:
+      head = b""
     while True:
-      data = f.read(block_bytes)
+      data = head + f.read(block_bytes)
+      head = b""
       if not data:
         return
       if not data.endswith(b"\n"):
         data += f.readline()
-      yield data, line
-      line += data.count(b"\n")
+      yield data, first_line
+      first_line = 0
 
 
 def _vectorised_chunks(source, counter: BadRowCounter, workers: int,
                        block_bytes: int) -> Iterator[dict]:
+  """Leaves of `source`'s files, parsed block by block on `workers` threads, in order."""
   is_header = type(source).is_header
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
     for path in source.paths:
       inflight: collections.deque = collections.deque()
+      line = 1
+
+      def merged():
+        nonlocal line
+        leaves, n_lines, bad = inflight.popleft().result()
+        for i, reason in bad:                 # reports in file order, with file:line
+          counter.report(f"{path}:{line + i}", reason)
+        counter.good(len(leaves["domain"]))
+        counter.check()
+        line += n_lines
+        return leaves
+
       for data, first_line in line_blocks(path, block_bytes, is_header):
-        # every block has its own counter, merged in order: reports stay in file order
-        sub = BadRowCounter(1.0, max_reports=counter.max_reports)
-        inflight.append((pool.submit(source.parse_block, data, path, first_line, sub), sub))
+        line = first_line or line
+        inflight.append(pool.submit(source.parse_block, data))
         while len(inflight) > 2 * max(1, workers):
-          yield _merged(inflight.popleft(), counter)
+          yield merged()
       while inflight:
-        yield _merged(inflight.popleft(), counter)
-
-
-def _merged(item, counter: BadRowCounter) -> dict:
-  future, sub = item
-  leaves = future.result()
-  counter.merge(sub)
-  counter.check()
-  return leaves
+        yield merged()
 
 
 def _row_chunks(source, counter: BadRowCounter, chunk_rows: int) -> Iterator[dict]:

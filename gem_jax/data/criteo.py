@@ -50,7 +50,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
   _HEX_LUT[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
   _HEX_LUT[_c] = 10 + _i
-_NIBBLE_SHIFT = np.arange(4 * (CAT_WIDTH - 1), -1, -4, dtype=np.int64)   # (8,) 28, 24, .., 0
 _ROW = re.compile(rb"[01]" + rb"(?:\t(?:-?[0-9]{1,18})?)" * N_INT
                   + rb"(?:\t(?:[0-9a-fA-F]{%d})?)" % CAT_WIDTH * N_CAT)
 
@@ -84,12 +83,34 @@ def hex_ids(col: pa.Array) -> np.ndarray | None:
   if not np.all(present | (lengths == 0)):
     return None
   data = np.frombuffer(col.buffers()[2], np.uint8, offsets[-1] - offsets[0], offsets[0])
-  nib = _HEX_LUT[data.reshape(-1, CAT_WIDTH)]                              # (n', 8)
-  if (nib == 255).any():
+  nib = np.take(_HEX_LUT, data).reshape(-1, CAT_WIDTH)                    # (n', 8) 0..15
+  if nib.size and nib.max() > 15:
     return None
+  packed = np.ascontiguousarray((nib[:, 0::2] << 4) | nib[:, 1::2])        # (n', 4) bytes
+  values = packed.view(">u4")[:, 0].astype(np.int64)  # 8 hex digits: one big-endian uint32
+  if len(values) == n:
+    return values
   out = np.full(n, -1, np.int64)
-  out[present] = (nib.astype(np.int64) << _NIBBLE_SHIFT).sum(axis=1)
+  out[present] = values
   return out
+
+
+def int_column(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+  """(values with nulls as 0, null mask) of an int64 column, from its buffers."""
+  col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+  n = len(col)
+  values = np.frombuffer(col.buffers()[1], np.int64, n, col.offset * 8)
+  if col.null_count == 0:
+    return values, np.zeros(n, bool)
+  valid = np.unpackbits(np.frombuffer(col.buffers()[0], np.uint8), bitorder="little")
+  missing = valid[col.offset:col.offset + n] == 0
+  return np.where(missing, 0, values), missing
+
+
+_ROW_BYTES = b"0123456789abcdefABCDEF-\t\r\n"
+_CSV_NAMES = ["label", *INT_NAMES, *CAT_NAMES]
+_CSV_TYPES = {"label": pa.int64(), **{n: pa.int64() for n in INT_NAMES},
+              **{n: pa.binary() for n in CAT_NAMES}}
 
 
 def criteo_spec(vocab_size: int = 1 << 20, int_buckets: bool = False) -> DataSpec:
@@ -135,40 +156,41 @@ class CriteoSource(LineSource):
     cats = [text.parse_hex(t, CAT_NAMES[j], CAT_WIDTH) if t else -1 for j, t in enumerate(f[14:])]
     return label, ints, cats
 
-  def parse_block(self, data: bytes, path: str, first_line: int, counter) -> dict:
-    """Leaves (gem_jax.data.columnar.flatten) of the good rows of `data`, whole lines of
-    `path` from line `first_line` on; bad rows are reported to `counter`."""
+  def parse_block(self, data: bytes) -> tuple[dict, int, list[tuple[int, str]]]:
+    """Parses whole lines: (leaves of the good rows (gem_jax.data.columnar.flatten),
+    lines in `data`, [(0-based line in `data`, reason)] of the bad rows)."""
     bad: list[tuple[int, str]] = []
+    skipped = [0]
 
     def invalid(row):
+      skipped[0] += 1
       if row.text.strip():
-        bad.append((row.number, f"expected {N_FIELDS} fields separated by b'\\t', "
-                                f"got {row.actual_columns}"))
+        bad.append((row.number - 1, f"expected {N_FIELDS} fields separated by b'\\t', "
+                                    f"got {row.actual_columns}"))
       return "skip"
 
-    names = ["label", *INT_NAMES, *CAT_NAMES]
-    types = {"label": pa.int64(), **{n: pa.int64() for n in INT_NAMES},
-             **{n: pa.binary() for n in CAT_NAMES}}
-    try:
-      t = pa_csv.read_csv(
-          pa.py_buffer(data),
-          read_options=pa_csv.ReadOptions(column_names=names, use_threads=False,
-                                          block_size=max(1 << 20, len(data) + 1)),
-          parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False,
-                                            ignore_empty_lines=False,
-                                            invalid_row_handler=invalid),
-          convert_options=pa_csv.ConvertOptions(column_types=types, null_values=[""],
-                                                strings_can_be_null=False))
-      leaves = self._block_leaves(t)
-    except pa.ArrowInvalid:
-      leaves = None
+    leaves = None
+    # The fast path sees only the bytes of valid rows: pyarrow's int64 parser is laxer than
+    # the row parser (it reads ' 7' and '0x10'), its bad-row callback cannot decode
+    # non-UTF-8 bytes, and it ends a line at a lone '\r'. Other blocks go row by row.
+    if not data.translate(None, _ROW_BYTES) and data.count(b"\r") == data.count(b"\r\n"):
+      try:
+        t = pa_csv.read_csv(
+            pa.py_buffer(data),
+            read_options=pa_csv.ReadOptions(column_names=_CSV_NAMES, use_threads=False,
+                                            block_size=max(1 << 20, len(data) + 1)),
+            parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False,
+                                              ignore_empty_lines=False,
+                                              invalid_row_handler=invalid),
+            convert_options=pa_csv.ConvertOptions(column_types=_CSV_TYPES, null_values=[""],
+                                                  strings_can_be_null=False))
+        lines = t.num_rows + skipped[0]
+        leaves = self._block_leaves(t)
+      except pa.ArrowInvalid:
+        pass
     if leaves is None:   # something only the row parser can name: parse the block row by row
-      return self._parse_block_rows(data, path, first_line, counter)
-    for number, reason in bad:
-      counter.report(f"{path}:{first_line + number - 1}", reason)
-    for _ in range(len(leaves["domain"])):
-      counter.good()
-    return leaves
+      return self._parse_block_rows(data)
+    return leaves, lines, bad
 
   def _block_leaves(self, t: pa.Table) -> dict | None:
     label = t.column("label").to_numpy(zero_copy_only=False)
@@ -189,10 +211,8 @@ class CriteoSource(LineSource):
     ints = np.zeros((n, N_INT), np.int64)
     missing = np.zeros((n, N_INT), bool)
     for j, name in enumerate(INT_NAMES):
-      c = t.column(name).combine_chunks()
-      missing[:, j] = c.is_null().to_numpy(zero_copy_only=False)
-      ints[:, j] = c.fill_null(0).to_numpy()
-    if (np.abs(ints) >= 10 ** 18).any():     # the row parser allows at most 18 digits
+      ints[:, j], missing[:, j] = int_column(t.column(name))
+    if n and (ints.max() >= 10 ** 18 or ints.min() <= -10 ** 18):  # the row parser: <= 18 digits
       return None
     leaves = {"dense": np.log1p(np.maximum(ints, 0).astype(np.float64)).astype(np.float32),
               "domain": np.zeros(n, np.int32), "labels": label[:, None].astype(np.float32),
@@ -207,19 +227,21 @@ class CriteoSource(LineSource):
       leaves.update({f"ids/{name}": b[:, j:j + 1] for j, name in enumerate(BUCKET_NAMES)})
     return leaves
 
-  def _parse_block_rows(self, data: bytes, path: str, first_line: int, counter) -> dict:
+  def _parse_block_rows(self, data: bytes) -> tuple[dict, int, list[tuple[int, str]]]:
     from gem_jax.data.columnar import flatten  # pylint: disable=import-outside-toplevel
-    examples = []
-    for i, line in enumerate(data.split(b"\n")):
+    examples, bad = [], []
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+      lines.pop()
+    for i, line in enumerate(lines):
       line = line.rstrip(b"\r")
       if not line.strip():
         continue
       try:
         examples.append(self.parse(line))
-        counter.good()
       except BadRow as e:
-        counter.report(f"{path}:{first_line + i}", str(e))
-    return flatten(self.collate(examples))
+        bad.append((i, str(e)))
+    return flatten(self.collate(examples)), len(lines), bad
 
   def collate(self, examples: list) -> dict:
     b = len(examples)

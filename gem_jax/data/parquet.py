@@ -54,6 +54,17 @@ def _padding(layout: list[columnar.Leaf], n: int) -> dict[str, np.ndarray]:
   return out
 
 
+def _columns(schema: pa.Schema) -> dict[str, str]:
+  """{column: type} with list element names left out (Parquet renames them)."""
+  def key(t):
+    if pa.types.is_fixed_size_list(t):
+      return f"{key(t.value_type)}[{t.list_size}]"
+    if pa.types.is_list(t):
+      return f"list<{key(t.value_type)}>"
+    return str(t)
+  return {f.name: key(f.type) for f in schema}
+
+
 class ParquetSource:
   """A converted dataset (directory with dataset.json) as a source (gem_jax/data/source.py).
 
@@ -113,9 +124,11 @@ class ParquetSource:
       if groups != list(f["row_groups"]):
         raise DatasetError(f"{file}: row groups of {groups} rows, {columnar.META_NAME} "
                            f"says {f['row_groups']}")
-      if not md.schema.to_arrow_schema().equals(want):
-        got = md.schema.to_arrow_schema()
-        diff = sorted(set(map(str, got)) ^ set(map(str, want)))
+      got = _columns(md.schema.to_arrow_schema())
+      if got != _columns(want):
+        w = _columns(want)
+        diff = ([f"{k}: {v} expected" for k, v in w.items() if got.get(k) != v]
+                + [f"{k}: {v} not expected" for k, v in got.items() if w.get(k) != v])
         raise DatasetError(f"{file}: schema differs from {columnar.META_NAME}: {diff[:4]}")
       out.append(md)
     extra = sorted(set(n for n in os.listdir(self.path) if n.endswith(".parquet"))

@@ -60,9 +60,8 @@ def make_sources(data_cfg):
   columnar = {split: _columnar(data_cfg, split) for split in ("train", "eval")}
   if any(columnar.values()):
     from gem_jax.data.parquet import ParquetSource  # pylint: disable=import-outside-toplevel
-    text = None if all(columnar.values()) else _text_sources(data_cfg)
-    return tuple(ParquetSource.from_config(data_cfg, split) if columnar[split] else text[i]
-                 for i, split in enumerate(("train", "eval")))
+    return tuple(ParquetSource.from_config(data_cfg, split) if columnar[split]
+                 else file_source(data_cfg, split) for split in ("train", "eval"))
   return _text_sources(data_cfg)
 
 
