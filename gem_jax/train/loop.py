@@ -231,6 +231,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     watchdog.stop()
     preempt.uninstall()
     batches.close()
+    train_it.close()
+    if getattr(train_it, "bytes_read", None) is not None:   # columnar reader: this process's
+      logging.info("input: process %d of %d read %d bytes", pi, pc, train_it.bytes_read)
     ckpt.close()
     profiler.close()
     progress.close()
