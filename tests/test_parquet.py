@@ -89,6 +89,7 @@ def _row_sources(fx):
   ml = fx.movielens
   return {
       "avazu": lambda: AvazuSource(fx.avazu["train"]),
+      "avazu_bad": lambda: AvazuSource(fx.avazu["bad"].path, bad_row_limit=0.2),
       "adult": lambda: AdultSource(fx.adult["train"]),
       "alimama": lambda: AlimamaSource(fx.alimama["train"]),
       "movielens": lambda: MovieLensSource(ml["ratings"], ml["movies"], split="train",
@@ -96,11 +97,12 @@ def _row_sources(fx):
   }
 
 
-@pytest.mark.parametrize("kind", ["avazu", "adult", "alimama", "movielens"])
-def test_row_converter_matches_text_reader(tmp_path, synth_data, kind):  # noqa: F811
+@pytest.mark.parametrize("kind", ["avazu", "avazu_bad", "adult", "alimama", "movielens"])
+def test_other_converters_match_text_reader(tmp_path, synth_data, kind):  # noqa: F811
   make = _row_sources(synth_data)[kind]
-  meta = convert.convert(make(), str(tmp_path / "ds"), kind=kind, row_group_rows=100)
-  assert meta["parser"] == "rows"
+  meta = convert.convert(make(), str(tmp_path / "ds"), kind=kind, row_group_rows=100,
+                         block_bytes=2000, workers=2)
+  assert meta["parser"] == ("vectorised" if kind.startswith("avazu") else "rows")
   batches, counter = text_counter(make())
   src = ParquetSource(str(tmp_path / "ds"), lanes=1)
   assert src.spec == make().spec

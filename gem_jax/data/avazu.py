@@ -17,6 +17,8 @@ header and skipped, so header-less splits work too):
   in-app impressions) is domain 1, site traffic domain 0.
 
 The Kaggle `test` file has no click column (23 fields) and is rejected as bad rows.
+`AvazuSource.parse_block` is the converter's vectorised parser (gem_jax/data/blocks.py):
+the same values and bad rows as `parse` + `collate`.
 Bad rows: wrong field count, an id that is not decimal digits, label not 0/1, hour not YYMMDDHH or not a date,
 malformed hex or decimal id.
 """
@@ -28,7 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-from gem_jax.data import text
+import pyarrow as pa
+
+from gem_jax.data import blocks, text
 from gem_jax.data.badrows import BadRow
 from gem_jax.data.source import LineSource, base_batch, valid_rows
 from gem_jax.data.spec import DataSpec, SparseFeatureSpec
@@ -44,6 +48,9 @@ TIME_FEATURES = ("hour_of_day", "day_of_week")
 APP_SITE_ID = b"85f751fd"
 DOMAINS = ("site", "app")
 _HOUR_DIGITS = frozenset(b"0123456789")
+_DECIMAL_COLUMNS = tuple(c for c in ID_COLUMNS if c not in HEX_COLUMNS)
+_CSV_TYPES = {c: pa.int64() if c in _DECIMAL_COLUMNS else pa.binary() for c in COLUMNS}
+_ROW_BYTES = b"0123456789abcdefABCDEF-,\r\n"
 
 
 def avazu_spec(vocab_size: int = 1 << 20) -> DataSpec:
@@ -103,6 +110,58 @@ class AvazuSource(LineSource):
     hod, dow = parse_hour(f[2])
     ids = [parse(f[i], name) for i, parse, name in self._parsers]
     return label, hod, dow, int(f[5] == APP_SITE_ID), ids
+
+  def parse_block(self, data: bytes) -> tuple[dict, int, list[tuple[int, str]]]:
+    """(leaves of the good rows, lines, bad rows) of whole lines (gem_jax/data/blocks.py)."""
+    return blocks.parse_block(self, data, self._fast_block)
+
+  def _fast_block(self, data: bytes):
+    read = blocks.read_csv(data, list(COLUMNS), _CSV_TYPES, ",", _ROW_BYTES)
+    if read is None:
+      return None
+    t, lines, bad = read
+    n = t.num_rows
+    label, label_len = blocks.binary_column(t.column("click"))
+    if not (blocks.all_digits(t.column("id")) and np.all(label_len == 1)
+            and np.all((label == 48) | (label == 49))):
+      return None                      # also a blank line (its fields are empty)
+    hour, hour_len = blocks.binary_column(t.column("hour"))
+    if not np.all(hour_len == 8) or ((hour - 48).astype(np.uint8) > 9).any():
+      return None
+    d = (hour.reshape(n, 4, 2).astype(np.int64) - 48) @ np.array([10, 1])   # (n, 4) yy mm dd hh
+    yy, mm, dd, hod = d[:, 0], d[:, 1], d[:, 2], d[:, 3]
+    if n and ((mm < 1) | (mm > 12) | (dd < 1) | (hod > 23)).any():
+      return None
+    month = ((2000 + yy - 1970) * 12 + mm - 1).astype("datetime64[M]")
+    first = month.astype("datetime64[D]").astype(np.int64)                # days since 1970
+    month_days = (month + 1).astype("datetime64[D]").astype(np.int64) - first
+    days = first + dd - 1
+    if n and (dd > month_days).any():
+      return None
+    dow = (days + 3) % 7                                  # 1970-01-01 was a Thursday
+    ids = {}
+    for c in ID_COLUMNS:
+      if c in HEX_COLUMNS:
+        got = blocks.hex_column(t.column(c))
+        if got is None or not got[1].all():
+          return None
+        ids[c] = got[0]
+        if c == "site_id":
+          app = (got[0] == int(APP_SITE_ID, 16)) & (got[1] == len(APP_SITE_ID))
+      else:
+        v, missing = blocks.int_column(t.column(c))
+        if missing.any() or (n and (v.max() >= blocks.MAX_DECIMAL
+                                    or v.min() <= -blocks.MAX_DECIMAL)):
+          return None
+        ids[c] = np.where(v >= 0, 2 * v, -2 * v - 1)                    # text.zigzag
+    angle = 2 * math.pi * hod.astype(np.float64) / 24
+    leaves = {"dense": np.stack([np.sin(angle), np.cos(angle)], -1).astype(np.float32),
+              "domain": app.astype(np.int32),
+              "labels": (label.astype(np.float32) - 48)[:, None],
+              "label_mask": np.ones((n, 1), np.float32),
+              "ids/hour_of_day": hod[:, None], "ids/day_of_week": dow[:, None]}
+    leaves.update({f"ids/{c}": ids[c][:, None] for c in ID_COLUMNS})
+    return leaves, lines, bad
 
   def collate(self, examples: list) -> dict:
     b = len(examples)

@@ -31,10 +31,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyarrow import csv as pa_csv
 
-from gem_jax.data import text
-from gem_jax.data.badrows import BadRow
+from gem_jax.data import blocks, text
 from gem_jax.data.source import LineSource, base_batch, valid_rows
 from gem_jax.data.spec import DataSpec, SparseFeatureSpec
 
@@ -45,11 +43,6 @@ INT_BUCKETS = 256
 INT_NAMES = tuple(f"I{i}" for i in range(1, N_INT + 1))
 CAT_NAMES = tuple(f"C{i}" for i in range(1, N_CAT + 1))
 BUCKET_NAMES = tuple(f"B{i}" for i in range(1, N_INT + 1))
-_HEX_LUT = np.full(256, 255, np.uint8)
-for _i, _c in enumerate(b"0123456789abcdef"):
-  _HEX_LUT[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-  _HEX_LUT[_c] = 10 + _i
 _ROW = re.compile(rb"[01]" + rb"(?:\t(?:-?[0-9]{1,18})?)" * N_INT
                   + rb"(?:\t(?:[0-9a-fA-F]{%d})?)" % CAT_WIDTH * N_CAT)
 
@@ -73,43 +66,9 @@ def int_buckets_of(x: np.ndarray, missing: np.ndarray) -> np.ndarray:
   return np.where(missing, 0, b)
 
 
-def hex_ids(col: pa.Array) -> np.ndarray | None:
-  """Raw ids of a binary column of 8-hex-digit ids ('' -> -1); None if any value is not."""
-  col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-  n = len(col)
-  offsets = np.frombuffer(col.buffers()[1], np.int32, n + 1, col.offset * 4)
-  lengths = np.diff(offsets)
-  present = lengths == CAT_WIDTH
-  if not np.all(present | (lengths == 0)):
-    return None
-  data = np.frombuffer(col.buffers()[2], np.uint8, offsets[-1] - offsets[0], offsets[0])
-  nib = np.take(_HEX_LUT, data).reshape(-1, CAT_WIDTH)                    # (n', 8) 0..15
-  if nib.size and nib.max() > 15:
-    return None
-  packed = np.ascontiguousarray((nib[:, 0::2] << 4) | nib[:, 1::2])        # (n', 4) bytes
-  values = packed.view(">u4")[:, 0].astype(np.int64)  # 8 hex digits: one big-endian uint32
-  if len(values) == n:
-    return values
-  out = np.full(n, -1, np.int64)
-  out[present] = values
-  return out
-
-
-def int_column(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-  """(values with nulls as 0, null mask) of an int64 column, from its buffers."""
-  col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-  n = len(col)
-  values = np.frombuffer(col.buffers()[1], np.int64, n, col.offset * 8)
-  if col.null_count == 0:
-    return values, np.zeros(n, bool)
-  valid = np.unpackbits(np.frombuffer(col.buffers()[0], np.uint8), bitorder="little")
-  missing = valid[col.offset:col.offset + n] == 0
-  return np.where(missing, 0, values), missing
-
-
 _ROW_BYTES = b"0123456789abcdefABCDEF-\t\r\n"
 _CSV_NAMES = ["label", *INT_NAMES, *CAT_NAMES]
-_CSV_TYPES = {"label": pa.int64(), **{n: pa.int64() for n in INT_NAMES},
+_CSV_TYPES = {"label": pa.binary(), **{n: pa.int64() for n in INT_NAMES},
               **{n: pa.binary() for n in CAT_NAMES}}
 
 
@@ -157,91 +116,51 @@ class CriteoSource(LineSource):
     return label, ints, cats
 
   def parse_block(self, data: bytes) -> tuple[dict, int, list[tuple[int, str]]]:
-    """Parses whole lines: (leaves of the good rows (gem_jax.data.columnar.flatten),
-    lines in `data`, [(0-based line in `data`, reason)] of the bad rows)."""
-    bad: list[tuple[int, str]] = []
-    skipped = [0]
+    """(leaves of the good rows, lines, bad rows) of whole lines (gem_jax/data/blocks.py)."""
+    return blocks.parse_block(self, data, self._fast_block)
 
-    def invalid(row):
-      skipped[0] += 1
-      if row.text.strip():
-        bad.append((row.number - 1, f"expected {N_FIELDS} fields separated by b'\\t', "
-                                    f"got {row.actual_columns}"))
-      return "skip"
-
-    leaves = None
-    # The fast path sees only the bytes of valid rows: pyarrow's int64 parser is laxer than
-    # the row parser (it reads ' 7' and '0x10'), its bad-row callback cannot decode
-    # non-UTF-8 bytes, and it ends a line at a lone '\r'. Other blocks go row by row.
-    if not data.translate(None, _ROW_BYTES) and data.count(b"\r") == data.count(b"\r\n"):
-      try:
-        t = pa_csv.read_csv(
-            pa.py_buffer(data),
-            read_options=pa_csv.ReadOptions(column_names=_CSV_NAMES, use_threads=False,
-                                            block_size=max(1 << 20, len(data) + 1)),
-            parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False,
-                                              ignore_empty_lines=False,
-                                              invalid_row_handler=invalid),
-            convert_options=pa_csv.ConvertOptions(column_types=_CSV_TYPES, null_values=[""],
-                                                  strings_can_be_null=False))
-        lines = t.num_rows + skipped[0]
-        leaves = self._block_leaves(t)
-      except pa.ArrowInvalid:
-        pass
-    if leaves is None:   # something only the row parser can name: parse the block row by row
-      return self._parse_block_rows(data)
-    return leaves, lines, bad
+  def _fast_block(self, data: bytes):
+    read = blocks.read_csv(data, _CSV_NAMES, _CSV_TYPES, "\t", _ROW_BYTES)
+    if read is None:
+      return None
+    t, lines, bad = read
+    leaves = self._block_leaves(t)
+    return None if leaves is None else (leaves, lines, bad)
 
   def _block_leaves(self, t: pa.Table) -> dict | None:
-    label = t.column("label").to_numpy(zero_copy_only=False)
-    if np.isnan(label).any():   # a null label: a blank row (skipped) or a bad one
-      blank = np.isnan(label)
+    label, label_len = blocks.binary_column(t.column("label"))
+    if not label_len.all():   # an empty label: a blank row (skipped) or a bad one
+      blank = label_len == 0
       for n in (*INT_NAMES, *CAT_NAMES):
         c = t.column(n)
         blank &= (c.is_null().to_numpy(zero_copy_only=False) if n in INT_NAMES
                   else (pc.binary_length(c).to_numpy(zero_copy_only=False) == 0))
-      if not np.array_equal(blank, np.isnan(label)):
+      if not np.array_equal(blank, label_len == 0):
         return None
       t = t.filter(pa.array(~blank))
-      label = t.column("label").to_numpy(zero_copy_only=False)
-    label = label.astype(np.int64)
-    if not np.all((label == 0) | (label == 1)):
+      label, label_len = blocks.binary_column(t.column("label"))
+    if not (np.all(label_len == 1) and np.all((label == 48) | (label == 49))):  # b"0" | b"1"
       return None
+    label = label.astype(np.int64) - 48
     n = t.num_rows
     ints = np.zeros((n, N_INT), np.int64)
     missing = np.zeros((n, N_INT), bool)
     for j, name in enumerate(INT_NAMES):
-      ints[:, j], missing[:, j] = int_column(t.column(name))
-    if n and (ints.max() >= 10 ** 18 or ints.min() <= -10 ** 18):  # the row parser: <= 18 digits
+      ints[:, j], missing[:, j] = blocks.int_column(t.column(name))
+    if n and (ints.max() >= blocks.MAX_DECIMAL or ints.min() <= -blocks.MAX_DECIMAL):
       return None
     leaves = {"dense": np.log1p(np.maximum(ints, 0).astype(np.float64)).astype(np.float32),
               "domain": np.zeros(n, np.int32), "labels": label[:, None].astype(np.float32),
               "label_mask": np.ones((n, 1), np.float32)}
     for name in CAT_NAMES:
-      ids = hex_ids(t.column(name))
+      ids = blocks.hex_column(t.column(name), CAT_WIDTH)
       if ids is None:
         return None
-      leaves[f"ids/{name}"] = ids[:, None]                                   # (n, 1)
+      leaves[f"ids/{name}"] = ids[0][:, None]                                # (n, 1)
     if self.int_buckets:
       b = int_buckets_of(ints, missing)                                       # (n, 13)
       leaves.update({f"ids/{name}": b[:, j:j + 1] for j, name in enumerate(BUCKET_NAMES)})
     return leaves
-
-  def _parse_block_rows(self, data: bytes) -> tuple[dict, int, list[tuple[int, str]]]:
-    from gem_jax.data.columnar import flatten  # pylint: disable=import-outside-toplevel
-    examples, bad = [], []
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-      lines.pop()
-    for i, line in enumerate(lines):
-      line = line.rstrip(b"\r")
-      if not line.strip():
-        continue
-      try:
-        examples.append(self.parse(line))
-      except BadRow as e:
-        bad.append((i, str(e)))
-    return flatten(self.collate(examples)), len(lines), bad
 
   def collate(self, examples: list) -> dict:
     b = len(examples)
