@@ -22,6 +22,9 @@ SHARDING_TYPES = ("auto", "table_wise", "row_wise", "column_wise", "replicated")
 ID_POLICIES = ("hash", "error", "clip")
 POOLINGS = ("sum", "mean", "none")
 OPTIMIZERS = ("rowwise_adagrad", "sgd", "adam")
+# Row ids are int32 on the device, INT32_MAX marks "no row" in the row-wise exchange: every
+# row of every state buffer must have a smaller index.
+MAX_ROWS = (1 << 31) - 2
 
 
 def uniform_init(scale: float | None = None) -> Initializer:
@@ -74,6 +77,10 @@ class TableConfig:
     if self.rows <= 0 or self.dim <= 0:
       raise ValueError(f"table {self.name!r}: rows and dim must be positive, got "
                        f"rows={self.rows} dim={self.dim}")
+    if self.rows > MAX_ROWS:
+      raise ValueError(f"table {self.name!r}: {self.rows:,d} rows, more than the engine can "
+                       f"address ({MAX_ROWS:,d}: device row ids are int32); split it into "
+                       "several tables (features hashed into each) or use fewer rows")
     if self.sharding not in SHARDING_TYPES:
       raise ValueError(f"table {self.name!r}: sharding {self.sharding!r} not in {SHARDING_TYPES}")
     if self.id_policy not in ID_POLICIES:

@@ -22,14 +22,24 @@ table_wise (`_tw_*`). Features are laid out in send slots per owner
   [[f(e10,e11), g(...)], [pad], [h(...), pad]] and unpacks its features.
   Padding slots cost traffic only when shards own unequal feature counts.
 
-row_wise (`_rw_*`): ids all-gathered, partial pools reduce-scattered (exact, no
-capacity to overflow). Rows [0, 4) of a 10-row table are on shard 0, [4, 8) on
-1, [8, 10) on 2 (rps = 4). Device 1 holds bags e10 = [5, 9], e11 = [0, .]:
-  `all_gather` over 'shard' -> every shard sees all 3 b bags;
-  shard 0 gathers row 0 for e11 (other ids masked to zero rows), shard 1 row 5
-  for e10, shard 2 row 9 for e10, each pooling its partial sums per bag;
-  `psum_scatter` over 'shard' sums the partials and hands device 1 the pooled
-  e10 = w5 + w9 and e11 = w0. Sequences ('none') skip the pooling.
+row_wise (`_rw_*`): ids sent to their owners by `all_to_all`, rows sent back.
+Rows [0, 4) of a 10-row table are on shard 0, [4, 8) on 1, [8, 10) on 2
+(rps = 4); capacity C = 2 ids per (source, owner). Device 1 holds bags
+e10 = [5, 9], e11 = [0, 5]:
+  distinct sorted rows [0, 5, 9] (inverse e10 -> [1, 2], e11 -> [0, 1]); they
+  group by owner since owner = row // rps: shard 0 gets [0], 1 gets [5], 2 [9];
+  send buffer (S, C) of owner-local rows [[0, .], [1, .], [1, .]];
+  `all_to_all` (split 0, concat 0): shard s receives (S, C), the rows every
+  source asks of it, gathers (S, C, D) and a second `all_to_all` returns them:
+  device 1 holds w0, w5, w9 and pools its bags itself (e10 = w5 + w9,
+  e11 = w0 + w5). Per device: S C ids and S C rows each way, C ~ n / S: flat
+  in S. The gathered rows (n, D) of the device's distinct ids are the
+  differentiable leaf; `apply_sparse_updates` sends their gradients to the
+  owners along the same routes. Exact for any skew: when one (source, owner)
+  pair has more than C distinct ids anywhere in the mesh (`overflow`, the same
+  decision on every device), the step takes the broadcast path instead: ids
+  all-gathered over 'shard', every owner gathers the rows it owns (zeros
+  elsewhere) and a `psum_scatter` hands each device its rows, the same values.
 
 column_wise (`_cw_*`): every shard holds columns [j cps, (j+1) cps) of all
 rows. Ids are all-gathered (each shard needs all of them), each shard gathers
@@ -125,27 +135,69 @@ def _tw_pool(plan, u: Unit, rows, row_idx, weights):
 
 
 # ---- row_wise ----------------------------------------------------------------------
-def _rw_rows(plan, u: Unit, ids):
-  ids = ids[u.features[0]]
-  rps = plan.buffers[u.buffer].local_rows
-  g = jax.lax.all_gather(ids, "shard", axis=0, tiled=True)   # (S b, bag) all bags of the group
+NO_ROW = jnp.iinfo(jnp.int32).max   # sorts after every row: the padding of distinct-row lists
+
+
+def rw_distinct(ids):
+  """(b, bag) rows, -1 = padding -> (distinct rows ascending (n,), NO_ROW padded; inverse)."""
+  flat = jnp.where(ids >= 0, ids, NO_ROW).reshape(-1)
+  uniq, inv = jnp.unique(flat, size=flat.shape[0], fill_value=NO_ROW, return_inverse=True)
+  return uniq.astype(jnp.int32), inv.reshape(ids.shape).astype(jnp.int32)
+
+
+def rw_routes(uniq, rps: int, num_shards: int, capacity: int):
+  """Where each distinct row goes: (start (S,), count (S,) of each owner's run in `uniq`,
+  send slots (S, C) into uniq (clamped), their validity (S, C))."""
+  n = uniq.shape[0]
+  edges = jnp.searchsorted(uniq, jnp.arange(num_shards + 1, dtype=jnp.int32) * rps)  # (S+1,)
+  start, count = edges[:-1].astype(jnp.int32), jnp.diff(edges).astype(jnp.int32)
+  j = jnp.arange(capacity, dtype=jnp.int32)
+  slot = jnp.minimum(start[:, None] + j[None, :], n - 1)                            # (S, C)
+  return start, count, slot, j[None, :] < count[:, None]
+
+
+def _rw_fetch_a2a(w, uniq, rps: int, S: int, C: int):
+  """Rows of `uniq` from their owners, `all_to_all` both ways (no overflow anywhere)."""
+  start, _, slot, valid = rw_routes(uniq, rps, S, C)
+  base = (jnp.arange(S, dtype=jnp.int32) * rps)[:, None]
+  send = jnp.where(valid, jnp.take(uniq, slot) - base, -1)                 # (S, C) owner rows
+  recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)               # (S, C) asked of me
+  back = jax.lax.all_to_all(_masked_take(w, recv), "shard", 0, 0, tiled=True)  # (S, C, D)
+  owner = jnp.minimum(uniq // rps, S - 1)
+  pos = owner * C + jnp.arange(uniq.shape[0], dtype=jnp.int32) - start[owner]   # (n,)
+  ok = uniq != NO_ROW
+  rows = jnp.take(back.reshape(S * C, -1), jnp.where(ok, pos, 0), axis=0)
+  return jnp.where(ok[:, None], rows, jnp.zeros((), w.dtype))             # (n, D)
+
+
+def _rw_fetch_broadcast(w, uniq, rps: int):
+  """The same rows by all-gather + owner gather + `psum_scatter` (exact for any skew)."""
+  g = jax.lax.all_gather(uniq, "shard", axis=0, tiled=True)               # (S n,)
   local = g - jax.lax.axis_index("shard") * rps
-  return jnp.where((g >= 0) & (local >= 0) & (local < rps), local, -1)  # (S b, bag)
+  own = (g != NO_ROW) & (local >= 0) & (local < rps)
+  part = _masked_take(w, jnp.where(own, local, -1))                        # (S n, D) zeros elsewhere
+  return jax.lax.psum_scatter(part, "shard", scatter_dimension=0, tiled=True)  # (n, D)
+
+
+def rw_overflow(plan, ids_by_unit):
+  """{unit: bool scalar}: does any (source, owner) pair of the mesh exceed the unit's
+  capacity? One `pmax` over every device for all row-wise units: the same answer everywhere."""
+  names = list(ids_by_unit)
+  if not names:
+    return {}
+  local = []
+  for name in names:
+    u, uniq = plan.units[name], ids_by_unit[name]
+    _, count, _, _ = rw_routes(uniq, plan.buffers[u.buffer].local_rows, plan.num_shards,
+                               plan.capacity(u))
+    local.append(jnp.any(count > plan.capacity(u)))
+  over = jax.lax.pmax(jnp.stack(local).astype(jnp.int32), ("replica", "shard")) > 0
+  return {name: over[i] for i, name in enumerate(names)}
 
 
 def _rw_pool(plan, u: Unit, rows, row_idx, weights):
-  f = u.features[0]
-  wts = weights.get(f) if weights else None
-  if wts is None:
-    wts = jnp.ones(row_idx.shape, jnp.float32)
-  else:
-    wts = jax.lax.all_gather(wts.astype(jnp.float32), "shard", axis=0, tiled=True)
-  wts = jnp.where(row_idx >= 0, wts, 0.0).astype(rows.dtype)  # (S b, bag)
-  if u.pooled:
-    part = jnp.einsum("nl,nld->nd", wts, rows)                # (S b, D) partial pools
-  else:
-    part = rows * wts[..., None]                              # (S b, L, D)
-  return {f: jax.lax.psum_scatter(part, "shard", scatter_dimension=0, tiled=True)}
+  """Local pooling of the fetched rows (requester side): like replicated tables."""
+  return _rep_pool(plan, u, rows, row_idx, weights)
 
 
 # ---- column_wise -------------------------------------------------------------------
@@ -185,8 +237,7 @@ def _rep_pool(plan, u: Unit, rows, row_idx, weights):
   return {f: rows * wts[..., None]}
 
 
-_ROWS = {"table_wise": _tw_rows, "row_wise": _rw_rows, "column_wise": _cw_rows,
-         "replicated": _rep_rows}
+_ROWS = {"table_wise": _tw_rows, "column_wise": _cw_rows, "replicated": _rep_rows}
 _POOL = {"table_wise": _tw_pool, "row_wise": _rw_pool, "column_wise": _cw_pool,
          "replicated": _rep_pool}
 
@@ -238,18 +289,33 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   id_specs = {f: P(BATCH, None) for f in plan.features}
   mean_feats = [f for f, c in plan.features.items() if c.pooling == "mean"]
 
+  rw_units = [n for n, u in plan.units.items() if u.kind == "row_wise"]
+
   def body(weights, ids):
     rows, uniq_rows, inverse = {}, {}, {}
+    rw = {name: rw_distinct(ids[plan.units[name].features[0]]) for name in rw_units}
+    over = rw_overflow(plan, {name: uniq for name, (uniq, _) in rw.items()})
     for name, u in plan.units.items():
-      uniq, inv = _unique(_ROWS[u.kind](plan, u, ids), u.dedup)
-      rows[name] = _dev(_masked_take(weights[u.buffer], uniq))       # (1, 1, n, Dl)
+      if u.kind == "row_wise":
+        uniq, inv = rw[name]
+        w, rps, S, C = (weights[u.buffer], plan.buffers[u.buffer].local_rows, plan.num_shards,
+                        plan.capacity(u))
+        got = jax.lax.cond(over[name], lambda w, q: _rw_fetch_broadcast(w, q, rps),
+                           lambda w, q: _rw_fetch_a2a(w, q, rps, S, C), w, uniq)
+        rows[name] = _dev(got)                                        # (1, 1, n, D)
+        uniq = jnp.where(uniq == NO_ROW, -1, uniq)                    # requester: global rows
+      else:
+        uniq, inv = _unique(_ROWS[u.kind](plan, u, ids), u.dedup)
+        rows[name] = _dev(_masked_take(weights[u.buffer], uniq))     # (1, 1, n, Dl)
       uniq_rows[name], inverse[name] = _dev(uniq), _dev(inv)
     count = {f: jnp.sum(ids[f] >= 0, axis=1).astype(jnp.float32) for f in mean_feats}
-    return rows, {"row": uniq_rows, "inv": inverse, "count": count}
+    return rows, {"row": uniq_rows, "inv": inverse, "count": count,
+                  "overflow": {name: _dev(over[name]) for name in rw_units}}
 
   per_unit = {n: DEV for n in plan.units}
   out_specs = (per_unit, {"row": per_unit, "inv": per_unit,
-                          "count": {f: P(BATCH) for f in mean_feats}})
+                          "count": {f: P(BATCH) for f in mean_feats},
+                          "overflow": {n: DEV for n in rw_units}})
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs), out_specs=out_specs)
   return fn(weights_in, {f: ids[f] for f in plan.features})
 
@@ -272,7 +338,7 @@ def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
     out = {}
     for name, u in plan.units.items():
       slot_inv = _undev(inv[name])
-      if u.dedup:
+      if u.dedup or u.kind == "row_wise":   # rows of distinct ids: expand to the slots
         slot_rows = jnp.take(_undev(rows[name]), slot_inv, axis=0)     # (...slots, Dl)
         slot_idx = jnp.take(_undev(uniq[name]), slot_inv, axis=0)      # (...slots)
       else:                                                            # one row per slot

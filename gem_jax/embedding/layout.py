@@ -29,6 +29,22 @@ def cols_per_shard(dim: int, num_shards: int) -> int:
   return ceil_div(dim, num_shards)
 
 
+def rw_capacity(distinct: float, num_shards: int, slots: int, sigmas: float = 4.0) -> int:
+  """Ids one device sends to one owner per step (the row-wise all_to_all buffer width).
+
+  `distinct` ids per device spread over S owners (hashed ids: binomial, mean m =
+  distinct / S): C = ceil(m + sigmas sqrt(m)) + 1, at most `slots` (the device's id
+  slots: then nothing can overflow). More per pair takes the exact broadcast path.
+
+  >>> rw_capacity(512, 8, 512)   # m = 64: 64 + 4 * 8 + 1
+  97
+  """
+  if num_shards == 1:
+    return slots
+  m = distinct / num_shards
+  return int(min(slots, math.ceil(m + sigmas * math.sqrt(m)) + 1))
+
+
 def row_owner(ids, rps: int):
   """(owner shard, local row) of global row ids under a row-wise split of `rps` rows."""
   return ids // rps, ids % rps

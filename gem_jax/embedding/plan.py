@@ -31,8 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gem_jax.embedding import layout
-from gem_jax.embedding.config import (FeatureConfig, SparseOptimizerConfig, TableConfig,
-                                      expected_collision_rate)
+from gem_jax.embedding.config import (MAX_ROWS, FeatureConfig, SparseOptimizerConfig,
+                                      TableConfig, expected_collision_rate)
 
 BATCH = ("replica", "shard")
 REPLICATE_MAX_BYTES = 1 << 18   # 'auto': tables up to 256 KiB (with slots) are replicated
@@ -94,6 +94,7 @@ class Unit:
   bag: int                                  # ids per example (max over features)
   slots: tuple[tuple[int, ...], ...] = ()   # table_wise: slots[j][p] = index into features
   dedup: bool = False                       # owners gather each distinct row once
+  distinct_share: float = 1.0               # row_wise: distinct ids / id slots per device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +187,12 @@ class EmbeddingPlan:
       out[t] = s
     return out
 
+  def capacity(self, u: Unit) -> int:
+    """Row-wise unit `u`: ids one device sends one owner per step (`layout.rw_capacity` of
+    its expected distinct ids, `u.distinct_share` of its b x bag id slots)."""
+    slots = self.local_batch * u.bag
+    return layout.rw_capacity(u.distinct_share * slots, self.num_shards, slots)
+
   # ---- sizes -----------------------------------------------------------------------
   def unit_rows_shape(self, u: Unit) -> tuple[int, ...]:
     """Per-device shape of the `rows` leaf of unit `u` (ids, then width)."""
@@ -194,6 +201,8 @@ class EmbeddingPlan:
       return (S, len(u.slots[0]), b, u.bag, buf.dim)
     if u.kind == "replicated":
       return (b, u.bag, buf.dim)
+    if u.kind == "row_wise":
+      return (b * u.bag, buf.dim)              # the device's distinct rows, fetched
     return (S * b, u.bag, buf.local_dim)
 
   def device_bytes(self) -> dict[str, int]:
@@ -216,7 +225,8 @@ class EmbeddingPlan:
     """Row slots each device gathers per step, per buffer (the row gradients it holds)."""
     out = {name: 0 for name in self.buffers}
     for u in self.units.values():
-      out[u.buffer] += int(np.prod(self.unit_rows_shape(u)[:-1]))
+      n = self.num_shards * self.capacity(u) if u.kind == "row_wise" else None  # to owners
+      out[u.buffer] += n if n is not None else int(np.prod(self.unit_rows_shape(u)[:-1]))
     return out
 
   def forward_bytes(self) -> dict[str, int]:
@@ -228,9 +238,14 @@ class EmbeddingPlan:
       buf = self.buffers[u.buffer]
       isz = jnp.dtype(buf.dtype).itemsize
       shape = self.unit_rows_shape(u)
-      n_rows = int(np.prod(shape[:-1]))
-      out_rows = n_rows if not u.pooled else n_rows // u.bag
-      fwd = 0 if u.kind == "replicated" else (S - 1) / S * (4 * n_rows + 2 * out_rows * shape[-1] * isz)
+      if u.kind == "row_wise":   # ids out (lookup, update), rows back, gradients out: S C each
+        n_rows = S * self.capacity(u)
+        fwd = (S - 1) / S * (2 * 4 * n_rows + 2 * n_rows * shape[-1] * isz)
+      else:
+        n_rows = int(np.prod(shape[:-1]))
+        out_rows = n_rows if not u.pooled else n_rows // u.bag
+        fwd = 0 if u.kind == "replicated" else (S - 1) / S * (
+            4 * n_rows + 2 * out_rows * shape[-1] * isz)
       out[name] = int(fwd)
     return out
 
@@ -416,7 +431,8 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                     memory_budget_bytes: int | None = None,
                     replicate_max_bytes: int = REPLICATE_MAX_BYTES,
                     replica_sync: str = "auto",
-                    dedup_min_bytes: int = DEDUP_MIN_BYTES) -> EmbeddingPlan:
+                    dedup_min_bytes: int = DEDUP_MIN_BYTES,
+                    distinct_share: dict[str, float] | None = None) -> EmbeddingPlan:
   """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
 
   `mesh`: any `jax.sharding.Mesh` whose axis_names are ('replica', 'shard'), in that
@@ -433,6 +449,9 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   `replica_sync` ('auto' | 'rows' | 'dense') sets how replicas sync (module doc).
   Units whose owners hold at least `dedup_min_bytes` of weights per device
   deduplicate ids before gathering (0: always, a huge value: never).
+  `distinct_share`: {feature: distinct ids / id slots per device and step} (measured,
+  see `stats.id_stats`; default 1: every slot distinct) sets each row-wise unit's
+  all_to_all capacity (`EmbeddingPlan.capacity`).
 
   Raises:
     ValueError naming the table, its size and the budget when it does not fit;
@@ -527,6 +546,13 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
       continue
     buffer_of[t.name] = t.name
 
+  for buf in buffers.values():   # padded and packed buffers too: int32 global row ids
+    if buf.rows > MAX_ROWS:
+      raise ValueError(
+          f"buffer {buf.name!r} ({buf.kind}, tables {list(buf.tables)}) needs {buf.rows:,d} "
+          f"global rows on {S} shards, more than the engine can address ({MAX_ROWS:,d}: "
+          "device row ids are int32); use fewer or smaller tables")
+
   # 4. Exchange units.
   units = {}
   tw_groups: dict[tuple[str, bool], list[FeatureConfig]] = {}
@@ -537,7 +563,9 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
       tw_groups.setdefault((buf.name, pooled), []).append(f)
     else:
       name = f"{buf.kind}.{f.name}"
-      units[name] = Unit(name, buf.kind, buf.name, (f.name,), pooled, f.bag)
+      share = min(1.0, (distinct_share or {}).get(f.name, 1.0))
+      units[name] = Unit(name, buf.kind, buf.name, (f.name,), pooled, f.bag,
+                         distinct_share=share if buf.kind == "row_wise" else 1.0)
   for (bname, pooled), fs in tw_groups.items():
     buf = buffers[bname]
     own = [buf.owners[buf.tables.index(f.table)] for f in fs]

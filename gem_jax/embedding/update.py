@@ -37,11 +37,13 @@ shard holds the same accumulator (stored replicated).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gem_jax.embedding.exchange import DEV
+from gem_jax.embedding.exchange import DEV, NO_ROW, rw_routes
 from gem_jax.embedding.optimizers import apply_rows, dedup_rows
 from gem_jax.embedding.plan import EmbeddingPlan
 
@@ -86,6 +88,28 @@ def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool, additive: bool):
   return (rows, g) if unique or additive else dedup_rows(rows, g)
 
 
+def _rw_a2a(uniq, g, rps: int, num_shards: int, capacity: int):
+  """Requester (distinct global rows (n,), -1 = none; grads (n, D)) -> the owners' (local rows
+  (S C,), grads (S C, D)) along the routes of the lookup (`exchange.rw_routes`)."""
+  uniq = jnp.where(uniq >= 0, uniq, NO_ROW)
+  _, _, slot, valid = rw_routes(uniq, rps, num_shards, capacity)
+  base = (jnp.arange(num_shards, dtype=jnp.int32) * rps)[:, None]
+  send_r = jnp.where(valid, jnp.take(uniq, slot) - base, -1)             # (S, C)
+  send_g = jnp.where(valid[..., None], jnp.take(g, slot, axis=0), 0.0)   # (S, C, D)
+  rows = jax.lax.all_to_all(send_r, "shard", 0, 0, tiled=True)
+  grads = jax.lax.all_to_all(send_g, "shard", 0, 0, tiled=True)
+  return rows.reshape(-1), grads.reshape(-1, g.shape[-1])
+
+
+def _rw_broadcast(uniq, g, rps: int):
+  """The same pairs by all-gather over 'shard', each owner keeping its rows (any skew)."""
+  rows = jax.lax.all_gather(uniq, "shard", axis=0, tiled=True)           # (S n,)
+  grads = jax.lax.all_gather(g, "shard", axis=0, tiled=True)             # (S n, D)
+  local = rows - jax.lax.axis_index("shard") * rps
+  own = (rows >= 0) & (local >= 0) & (local < rps)
+  return jnp.where(own, local, -1), grads
+
+
 def _drop_frozen(uniq, buf, ranges):
   """Local rows (-1 = none) -> the same with rows in frozen global ranges set to -1.
 
@@ -128,7 +152,19 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
     if name not in plan.buffers:
       raise KeyError(f"frozen rows for unknown buffer {name!r}; buffers: {sorted(plan.buffers)}")
 
-  def body(state, row_idx, grads, lr, enabled):
+  def update(name, buf, units, st, rows, g, unique, lr, enabled):
+    """One buffer's (rows, grads) on its owners -> its new state."""
+    ranges = frozen.get(name, ())
+    additive = opt.kind == "sgd" and st["weight"].dtype == jnp.float32
+    uniq, gsum = _sync(plan, buf, rows, g, unique=unique, additive=additive)
+    if ranges:
+      uniq = _drop_frozen(uniq, buf, ranges)
+    g2 = jnp.sum(gsum * gsum, axis=1)                                 # (n,)
+    if buf.kind == "column_wise" and plan.num_shards > 1:
+      g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)    # full-width sum
+    return apply_rows(opt, st, uniq, gsum, g2 / buf.dim, lr, enabled)
+
+  def body(state, row_idx, grads, over, lr, enabled):
     new = {}
     for name, buf in plan.buffers.items():
       units = [u for u in plan.units.values() if u.buffer == name]
@@ -137,24 +173,33 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
         new[name] = state[name]
         continue
       width = buf.local_dim
+      if buf.kind == "row_wise":   # requester-side gradients of distinct rows -> owners
+        pairs = [(row_idx[u.name][0, 0], grads[u.name][0, 0].astype(jnp.float32),
+                  plan.capacity(u))
+                 for u in units]
+        def routed(route, st, lr, enabled, buf=buf, name=name, units=units, pairs=pairs):
+          rows, g = zip(*(route(q, gq, buf.local_rows, c) for q, gq, c in pairs))
+          return update(name, buf, units, st, jnp.concatenate(rows), jnp.concatenate(g),
+                        False, lr, enabled)
+        pred = jnp.any(jnp.stack([over[u.name][0, 0] for u in units]))
+        new[name] = jax.lax.cond(
+            pred, functools.partial(routed, lambda q, g, rps, c: _rw_broadcast(q, g, rps)),
+            functools.partial(routed, lambda q, g, rps, c: _rw_a2a(q, g, rps, plan.num_shards, c)),
+            state[name], lr, enabled)
+        continue
       rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
                            for u in units])                                     # (n, Dl)
-      additive = opt.kind == "sgd" and state[name]["weight"].dtype == jnp.float32
-      uniq, gsum = _sync(plan, buf, rows, g, unique=len(units) == 1 and units[0].dedup,
-                         additive=additive)
-      if ranges:
-        uniq = _drop_frozen(uniq, buf, ranges)
-      g2 = jnp.sum(gsum * gsum, axis=1)                               # (n,)
-      if buf.kind == "column_wise" and plan.num_shards > 1:
-        g2 = jnp.sum(jax.lax.all_gather(g2, "shard", axis=0), axis=0)  # full-width sum
-      new[name] = apply_rows(opt, state[name], uniq, gsum, g2 / buf.dim, lr, enabled)
+      new[name] = update(name, buf, units, state[name], rows, g,
+                         len(units) == 1 and units[0].dedup, lr, enabled)
     return new
 
   enabled = jnp.asarray(True if enabled is None else enabled, bool)
-  in_specs = (specs, {n: DEV for n in plan.units}, {n: DEV for n in plan.units}, P(), P())
+  over = ctx.get("overflow", {})
+  in_specs = (specs, {n: DEV for n in plan.units}, {n: DEV for n in plan.units},
+              {n: DEV for n in over}, P(), P())
   # check_vma=False: the outputs are replicated over 'replica' (and, for the
   # column-wise accumulator, over 'shard') by construction: every holder of a
   # block computes on identical gathered inputs (tested bitwise).
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
-  return fn(state, ctx["row"], row_grads, lr, enabled)
+  return fn(state, ctx["row"], row_grads, over, lr, enabled)

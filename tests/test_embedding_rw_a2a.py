@@ -1,0 +1,139 @@
+"""Row-wise all_to_all exchange at its capacity edge, and its exact broadcast fallback.
+
+A row-wise table read by three features (sum with weights, mean, sequence) with a
+small all_to_all capacity C per (source, owner) pair. Batches are built so that
+every pair stays within C, sits exactly at C with all ids owned by one shard, or
+goes one id over (one pair only, on one device): the lookups and a row-wise
+Adagrad step must equal the unsharded plan's (1 x 1 mesh) within 1e-6 in every
+case, and `ctx['overflow']` says which path ran (the same on every device).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_mesh
+from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,
+                               apply_sparse_updates, export_state, gather_rows,
+                               init_embedding_state, plan_embeddings, pool_rows, prepare_ids)
+
+ROWS, DIM, B = 200, 8, 32
+TABLES = [TableConfig("rw", ROWS, DIM, sharding="row_wise")]
+FEATURES = [FeatureConfig("s", "rw", 4, "sum"), FeatureConfig("m", "rw", 3, "mean"),
+            FeatureConfig("q", "rw", 5, "none")]
+OPT = SparseOptimizerConfig("rowwise_adagrad", lr=0.1)
+
+
+def make_plan(mesh_shape, distinct=0.125):
+  return plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, OPT,
+                         distinct_share={f.name: distinct for f in FEATURES})
+
+
+def device_rows(plan):
+  """(R S, b) example indices of each device, in mesh order (batch split over both axes)."""
+  n = plan.num_replicas * plan.num_shards
+  return np.arange(B).reshape(n, B // n)
+
+
+def batch(plan, case, seed):
+  """Host ids {feature: (B, bag)} for `case`; per device every feature's ids are drawn
+  from one pool of rows: 'within' 2 per owner, 'edge' C rows all on shard 0, 'over'
+  C + 1 rows on shard 0 for device 0 only, 'uniform' anything (C: feature q's)."""
+  rng = np.random.default_rng(seed)
+  rps, C = plan.buffers["rw"].local_rows, plan.capacity(plan.units["row_wise.q"])
+  S = plan.num_shards
+  ids = {f.name: np.full((B, f.bag), -1, np.int64) for f in FEATURES}
+  for dev, rows in enumerate(device_rows(plan)):
+    if case == "uniform":
+      pool = rng.integers(0, ROWS, 64)
+    elif case == "within":
+      pool = np.concatenate([s * rps + rng.choice(min(rps, ROWS - s * rps), min(C, 2),
+                                                  replace=False) for s in range(S)])
+    else:
+      k = C + 1 if case == "over" and dev == 0 else C
+      pool = rng.choice(rps, k, replace=False)
+    for f in FEATURES:
+      ids[f.name][rows] = rng.choice(pool, (len(rows), f.bag))
+      ids[f.name][rows[0], -1] = -1                       # some padding
+    if case in ("edge", "over"):   # every pool row appears once in the device's ids
+      flat = ids["q"][rows].reshape(-1)
+      flat[:len(pool)] = pool
+      ids["q"][rows] = flat.reshape(len(rows), -1)
+  return ids
+
+
+def step(plan, state, ids, wts, targets):
+  rows, ctx = gather_rows(plan, state, ids)
+
+  def loss(r):
+    emb = pool_rows(plan, r, ctx, wts)
+    return 0.01 * sum(jnp.sum((emb[f] - targets[f]) ** 2) for f in emb), emb
+  (_, emb), g = jax.value_and_grad(loss, has_aux=True)(rows)
+  return apply_sparse_updates(plan, state, ctx, g), emb, ctx
+
+
+@pytest.fixture(scope="module")
+def reference():
+  plan = make_plan((1, 1))
+  return plan, jax.jit(lambda s, i, w, t: step(plan, s, i, w, t)[:2])
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 4), (1, 8)])
+def test_capacity_edge_and_overflow_match_unsharded(mesh_shape, reference):
+  ref_plan, ref_fn = reference
+  plan = make_plan(mesh_shape)
+  C = plan.capacity(plan.units["row_wise.q"])
+  assert C < plan.local_batch * 5     # the buffers are narrower than the id slots
+  fn = jax.jit(lambda s, i, w, t: step(plan, s, i, w, t))
+  expect = {"within": False, "edge": False, "over": True}
+  for seed, case in enumerate(["within", "edge", "over", "uniform"]):
+    host = batch(plan, case, seed)
+    rng = np.random.default_rng(100 + seed)
+    wts = {"s": rng.uniform(0.5, 1.5, (B, 4)).astype(np.float32)}
+    targets = {f.name: rng.normal(size=(B, f.bag, DIM) if f.pooling == "none" else (B, DIM))
+               .astype(np.float32) for f in FEATURES}
+    state = init_embedding_state(plan, jax.random.key(seed))
+    ref_state = init_embedding_state(ref_plan, jax.random.key(seed))
+    new, emb, ctx = fn(state, jax.device_put(prepare_ids(plan, host), plan.ids_shardings()),
+                       wts, targets)
+    ref_new, ref_emb = ref_fn(ref_state, prepare_ids(ref_plan, host), wts, targets)
+    over = {u: np.asarray(x) for u, x in ctx["overflow"].items()}
+    for u, x in over.items():   # one decision, taken by every device
+      assert x.min() == x.max(), (case, u)
+    if case in expect:   # 'q' holds every pool row, at q's capacity (per-feature C differ)
+      assert bool(over["row_wise.q"].max()) == expect[case], (case, over)
+    if case == "within":
+      assert not any(x.max() for x in over.values()), over
+    for f in emb:
+      np.testing.assert_allclose(np.asarray(emb[f]), np.asarray(ref_emb[f]), rtol=0,
+                                 atol=1e-6, err_msg=f"{case} {f}")
+    got, want = export_state(plan, new)["rw"], export_state(ref_plan, ref_new)["rw"]
+    for k in want:
+      np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=0, atol=1e-6,
+                                 err_msg=f"{case} {k}")
+
+
+def test_capacity_comes_from_the_distinct_ids():
+  cap = lambda p: p.capacity(p.units["row_wise.s"])
+  dense, sparse = make_plan((1, 8), distinct=1.0), make_plan((1, 8), distinct=0.125)
+  assert cap(sparse) < cap(dense) <= 4 * 4            # b = 4 examples x bag 4 slots
+  assert cap(sparse.with_batch_size(16 * B)) > cap(sparse)   # eval batches: it scales
+  assert cap(make_plan((1, 1))) == B * 4              # one shard: every slot, no overflow
+
+
+def test_tables_the_engine_cannot_address_are_refused():
+  with pytest.raises(ValueError, match=r"table 'huge': 2,147,483,648 rows, more than the "
+                                       r"engine can address \(2,147,483,646"):
+    TableConfig("huge", 1 << 31, 1)
+  TableConfig("edge", (1 << 31) - 2, 1)                # the largest addressable table
+  # row-wise padding to S equal blocks may push the buffer past the limit (no memory used:
+  # planning allocates nothing)
+  t = TableConfig("edge", (1 << 31) - 3, 1, sharding="row_wise")
+  with pytest.raises(ValueError, match=r"buffer 'edge' \(row_wise, tables \['edge'\]\) needs "
+                                       r"2,147,483,648 global rows on 8 shards"):
+    plan_embeddings([t], [FeatureConfig("f", "edge")], make_mesh(1, 8), 8)
+  plan = plan_embeddings([t], [FeatureConfig("f", "edge")], make_mesh(1, 7), 7)
+  assert plan.buffers["edge"].rows == 7 * -(-t.rows // 7) <= (1 << 31) - 2
+  # the largest row id maps to its owner and local row without wrapping
+  host = {"f": np.array([[t.rows - 1]] * 7, np.int64)}
+  assert prepare_ids(plan, host)["f"].max() == t.rows - 1
