@@ -8,6 +8,12 @@ bag (sum pooling), Zipf(1.1) raw ids hashed into range, row-wise Adagrad, on an
 backward to the rows + apply_sparse_updates, jitted once with the state donated.
 Sizes are timed in interleaved rounds. Prints one line per size (JSON with --json).
 
+  python scripts/bench_embedding.py --rows 1000000 --group 2 4 8 --batch 512 --bag 1 \
+      --sharding row_wise --rw-exchange a2a broadcast
+
+times the row-wise exchange against the group size S (mesh 1 x S, 512 examples per
+device): per-device work (step time x cores / S) and bytes, by owner and by broadcast.
+
   python scripts/bench_embedding.py --rows 2000000 --tables 2 --mesh 1 1 \
       --sharding table_wise --freeze 1 --freeze-by drop select
 
@@ -67,24 +73,26 @@ def make_step(plan, frozen=None, freeze_by="drop"):
   return jax.jit(step, donate_argnums=0)
 
 
-def setup(rows: int, args, freeze_by: str = "drop") -> dict:
-  """Plan, state, id batches and the compiled step of one size."""
+def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
+          rw_exchange: str = "a2a") -> dict:
+  """Plan, state, id batches and the compiled step of one size (and mesh, batch, exchange)."""
+  batch = batch or args.batch
   n_tables = args.tables
   tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding,
                         id_policy="hash")          # raw Zipf ids are unbounded
             for i in range(n_tables)]
   feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
-  mesh = make_mesh(tuple(args.mesh))
+  mesh = make_mesh(tuple(mesh_shape or args.mesh))
   dedup_min = {"auto": DEDUP_MIN_BYTES, "always": 0, "never": 1 << 62}[args.dedup]
-  plan = plan_embeddings(tables, feats, mesh, args.batch, SparseOptimizerConfig(lr=0.01),
-                         dedup_min_bytes=dedup_min)
+  plan = plan_embeddings(tables, feats, mesh, batch, SparseOptimizerConfig(lr=0.01),
+                         dedup_min_bytes=dedup_min, rw_exchange=rw_exchange)
   t0 = time.perf_counter()
   state = jax.block_until_ready(init_embedding_state(plan, jax.random.key(0)))
   init_s = time.perf_counter() - t0
   rng = np.random.default_rng(0)
   batches = []
   for _ in range(4):
-    raw = {f.name: rng.zipf(1.1, (args.batch, args.bag)).astype(np.int64) for f in feats}
+    raw = {f.name: rng.zipf(1.1, (batch, args.bag)).astype(np.int64) for f in feats}
     batches.append(jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()))
   frozen = frozen_row_ranges(plan, [t.name for t in tables[:args.freeze]])
   step = make_step(plan, frozen, freeze_by)
@@ -96,6 +104,7 @@ def setup(rows: int, args, freeze_by: str = "drop") -> dict:
     state, loss = step(state, batches[i % 4])
   jax.block_until_ready(state)
   return {"rows": rows, "freeze_by": freeze_by, "plan": plan, "state": state,
+          "rw_exchange": rw_exchange, "batch": batch,
           "batches": batches, "step": step,
           "loss": loss, "times": [], "init_s": init_s, "compile_s": compile_s,
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -111,7 +120,8 @@ def timed_step(run: dict, i: int) -> None:
 def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
-      "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": args.batch,
+      "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": run["batch"],
+      "rw_exchange": run["rw_exchange"],
       "frozen_tables": args.freeze, "freeze_by": run["freeze_by"] if args.freeze else None,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
       "sharding": sorted(set(plan.sharding.values())),
@@ -153,7 +163,15 @@ def main(argv=None):
                  help="how frozen rows are kept (see module doc); several: side by side")
   p.add_argument("--no-hugepages", action="store_true",
                  help="do not ask glibc for transparent huge pages (see module doc)")
+  p.add_argument("--group", type=int, nargs="+", default=None, metavar="S",
+                 help="group-size series instead of sizes: mesh 1 x S for each S, the first "
+                      "--rows value, --batch examples per device (global batch S x batch), "
+                      "each --rw-exchange side by side; prints per-device work and bytes")
+  p.add_argument("--rw-exchange", nargs="+", default=["a2a"], choices=["a2a", "broadcast"],
+                 help="row-wise lookups by owner (all_to_all) or by broadcast (all_gather)")
   args = p.parse_args(argv)
+  if args.group:
+    return group_series(args)
   # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
   # then timed in interleaved rounds, so that load from other processes drifts
   # over all sizes alike and their ratio stays meaningful.
@@ -182,6 +200,48 @@ def main(argv=None):
   elif len(results) > 1 and not args.json:
     print(f"ratio largest/smallest median: "
           f"{results[-1]['step_ms_median'] / results[0]['step_ms_median']:.2f}")
+  return results
+
+
+def group_series(args) -> list[dict]:
+  """Per-device cost against the group size S at a fixed per-device batch.
+
+  The S simulated devices share this machine's cores, so per-device work is
+  step time x cores / S; bytes are the plan's per-device exchange bytes.
+  """
+  cores = os.cpu_count() or 1
+  runs = [setup(args.rows[0], args, "drop", (1, S), args.batch * S, ex)
+          for S in args.group for ex in args.rw_exchange]
+  for i in range(args.steps):
+    for run in runs:
+      timed_step(run, i)
+  results = []
+  for run in runs:
+    r = summary(run, args)
+    S = r["mesh"][1]
+    r.update(group=S, per_device_batch=args.batch, cores=cores,
+             work_ms_per_device=r["step_ms_median"] * cores / S,
+             exchange_bytes_per_device=r["exchange_bytes_per_step"],
+             buffer_bytes_per_device=sum(run["plan"].rw_buffer_bytes().values()))
+    results.append(r)
+    if args.json:
+      print(json.dumps(r), flush=True)
+  if not args.json:
+    print(f"rows {args.rows[0]:,d}, {args.tables} row-wise tables x dim {args.dim}, "
+          f"{args.batch} examples x bag {args.bag} per device, Zipf(1.1), {cores} cores")
+    print(f"{'S':>3} {'exchange':>9} {'step ms':>8} {'work ms/dev':>11} "
+          f"{'bytes out/dev':>13} {'buffers/dev':>12}")
+    for r in results:
+      print(f"{r['group']:>3} {r['rw_exchange']:>9} {r['step_ms_median']:>8.1f} "
+            f"{r['work_ms_per_device']:>11.1f} {r['exchange_bytes_per_device']:>13,d} "
+            f"{r['buffer_bytes_per_device']:>12,d}")
+    for ex in args.rw_exchange:
+      mine = [r for r in results if r["rw_exchange"] == ex]
+      lo, hi = mine[0], mine[-1]
+      print(f"{ex}: S={hi['group']} / S={lo['group']}: work "
+            f"{hi['work_ms_per_device'] / lo['work_ms_per_device']:.2f}x, bytes out "
+            f"{hi['exchange_bytes_per_device'] / lo['exchange_bytes_per_device']:.2f}x, "
+            f"buffers {hi['buffer_bytes_per_device'] / lo['buffer_bytes_per_device']:.2f}x")
   return results
 
 

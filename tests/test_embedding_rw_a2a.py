@@ -137,3 +137,32 @@ def test_tables_the_engine_cannot_address_are_refused():
   # the largest row id maps to its owner and local row without wrapping
   host = {"f": np.array([[t.rows - 1]] * 7, np.int64)}
   assert prepare_ids(plan, host)["f"].max() == t.rows - 1
+
+
+def test_id_stats_and_the_capacity_they_set():
+  from gem_jax.embedding import id_stats
+  t = TableConfig("rw", ROWS, DIM, sharding="row_wise")    # id_policy 'error': ids are rows
+  f = [FeatureConfig("s", "rw", 4)]
+  # 4 devices x 8 examples x bag 4: row 7 in every bag, then 2 rows of shard 0, one padding
+  ids = np.full((B, 4), -1, np.int64)
+  ids[:, 0] = 7
+  ids[:, 1:3] = np.arange(B * 2).reshape(B, 2) % 40
+  st = id_stats([t], f, [{"s": ids}] * 3, num_devices=4, num_shards=4)["s"]
+  assert st.batches == 3 and st.valid_share == 0.75
+  per_device = [np.unique(d[d >= 0]).size / d.size for d in np.split(ids, 4)]
+  assert st.distinct_share == pytest.approx(np.mean(per_device))
+  assert st.top_share == pytest.approx(1.0)          # 41 rows < k = 100
+  assert st.max_owner_share == 1.0                    # rps = 50: every row on shard 0
+  plan = plan_embeddings([t], f, make_mesh(1, 4), B, OPT, id_stats={"s": st})
+  u = plan.units["row_wise.s"]
+  assert plan.capacity(u) >= np.unique(ids[:8][ids[:8] >= 0]).size   # all of device 0's
+  assert "ids s: valid 75%" in plan.describe() and "capacity" in plan.describe()
+  state = init_embedding_state(plan, jax.random.key(0))
+  _, ctx = jax.jit(lambda s, i: gather_rows(plan, s, i))(
+      state, jax.device_put(prepare_ids(plan, {"s": ids}), plan.ids_shardings()))
+  assert not np.asarray(ctx["overflow"]["row_wise.s"]).any()   # skew measured: no fallback
+  blind = plan_embeddings([t], f, make_mesh(1, 4), B, OPT, distinct_share={"s": 0.3})
+  _, ctx = jax.jit(lambda s, i: gather_rows(blind, s, i))(
+      init_embedding_state(blind, jax.random.key(0)),
+      jax.device_put(prepare_ids(blind, {"s": ids}), blind.ids_shardings()))
+  assert np.asarray(ctx["overflow"]["row_wise.s"]).all()      # unmeasured skew: exact fallback

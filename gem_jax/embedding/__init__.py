@@ -9,6 +9,7 @@ from gem_jax.embedding.ids import (apply_id_policy, hash_ids, id_collisions, pre
                                    table_collisions)
 from gem_jax.embedding.plan import EmbeddingPlan, check_mesh, plan_embeddings
 from gem_jax.embedding.state import export_state, import_state, init_embedding_state
+from gem_jax.embedding.stats import IdStats, id_stats
 from gem_jax.embedding.update import apply_sparse_updates
 
 __all__ = [
@@ -16,5 +17,5 @@ __all__ = [
     "plan_embeddings", "EmbeddingPlan", "init_embedding_state", "prepare_ids", "hash_ids",
     "apply_id_policy", "gather_rows", "pool_rows", "lookup", "valid_mask",
     "apply_sparse_updates", "export_state", "import_state", "id_collisions",
-    "table_collisions", "expected_collision_rate", "check_mesh",
+    "table_collisions", "expected_collision_rate", "check_mesh", "id_stats", "IdStats",
 ]

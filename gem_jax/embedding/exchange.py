@@ -192,6 +192,8 @@ def rw_overflow(plan, ids_by_unit):
                                plan.capacity(u))
     local.append(jnp.any(count > plan.capacity(u)))
   over = jax.lax.pmax(jnp.stack(local).astype(jnp.int32), ("replica", "shard")) > 0
+  if plan.rw_exchange == "broadcast":
+    over = jnp.ones_like(over)
   return {name: over[i] for i, name in enumerate(names)}
 
 

@@ -24,6 +24,7 @@ pooling class ('pooled' or 'seq'), and one per feature otherwise.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -95,6 +96,8 @@ class Unit:
   slots: tuple[tuple[int, ...], ...] = ()   # table_wise: slots[j][p] = index into features
   dedup: bool = False                       # owners gather each distinct row once
   distinct_share: float = 1.0               # row_wise: distinct ids / id slots per device
+  owner_share: float = 0.0                  # row_wise: most of a device's distinct ids one
+                                            # owner got in the id statistics (0: unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,8 @@ class EmbeddingPlan:
   buffers: dict[str, Buffer]
   units: dict[str, Unit]
   buffer_of: dict[str, str]       # table -> buffer name
+  rw_exchange: str = "a2a"        # row_wise lookups: 'a2a' (by owner) | 'broadcast' (always)
+  id_stats: dict | None = None    # feature -> stats.IdStats the plan was made with
   _jit_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def cached_jit(self, key: str, build):
@@ -188,10 +193,13 @@ class EmbeddingPlan:
     return out
 
   def capacity(self, u: Unit) -> int:
-    """Row-wise unit `u`: ids one device sends one owner per step (`layout.rw_capacity` of
-    its expected distinct ids, `u.distinct_share` of its b x bag id slots)."""
+    """Row-wise unit `u`: ids one device sends one owner per step: `layout.rw_capacity` of
+    its expected distinct ids (`u.distinct_share` of its b x bag id slots), or 1.1 x the
+    most one owner got in the id statistics if that is more (skewed ids), at most the slots."""
     slots = self.local_batch * u.bag
-    return layout.rw_capacity(u.distinct_share * slots, self.num_shards, slots)
+    distinct = u.distinct_share * slots
+    skew = math.ceil(1.1 * u.owner_share * distinct)
+    return min(slots, max(layout.rw_capacity(distinct, self.num_shards, slots), skew))
 
   # ---- sizes -----------------------------------------------------------------------
   def unit_rows_shape(self, u: Unit) -> tuple[int, ...]:
@@ -225,7 +233,10 @@ class EmbeddingPlan:
     """Row slots each device gathers per step, per buffer (the row gradients it holds)."""
     out = {name: 0 for name in self.buffers}
     for u in self.units.values():
-      n = self.num_shards * self.capacity(u) if u.kind == "row_wise" else None  # to owners
+      n = None
+      if u.kind == "row_wise":          # (row, gradient) pairs routed to the owners
+        n = self.num_shards * (self.capacity(u) if self.rw_exchange == "a2a"
+                               else self.local_batch * u.bag)
       out[u.buffer] += n if n is not None else int(np.prod(self.unit_rows_shape(u)[:-1]))
     return out
 
@@ -238,15 +249,30 @@ class EmbeddingPlan:
       buf = self.buffers[u.buffer]
       isz = jnp.dtype(buf.dtype).itemsize
       shape = self.unit_rows_shape(u)
-      if u.kind == "row_wise":   # ids out (lookup, update), rows back, gradients out: S C each
-        n_rows = S * self.capacity(u)
+      if u.kind == "row_wise" and self.rw_exchange == "a2a":
+        n_rows = S * self.capacity(u)  # ids out (lookup, update), rows back, grads out: S C each
         fwd = (S - 1) / S * (2 * 4 * n_rows + 2 * n_rows * shape[-1] * isz)
+      elif u.kind == "row_wise":       # all-gathers of ids (twice) and fp32 grads, psum_scatter
+        n = shape[0]                   # of the (S n, D) rows
+        fwd = (S - 1) * n * (2 * 4 + 4 * shape[-1]) + (S - 1) / S * S * n * shape[-1] * isz
       else:
         n_rows = int(np.prod(shape[:-1]))
         out_rows = n_rows if not u.pooled else n_rows // u.bag
         fwd = 0 if u.kind == "replicated" else (S - 1) / S * (
             4 * n_rows + 2 * out_rows * shape[-1] * isz)
       out[name] = int(fwd)
+    return out
+
+  def rw_buffer_bytes(self) -> dict[str, int]:
+    """Row-wise units: bytes of the exchange buffers each device fills per step (ids out
+    twice, rows back, gradients out), its own block included: `forward_bytes` is the part
+    that leaves the device, (S - 1) / S of this for the all_to_all."""
+    out = {}
+    for name, u in self.units.items():
+      if u.kind == "row_wise":
+        S, isz = self.num_shards, jnp.dtype(self.buffers[u.buffer].dtype).itemsize
+        n = S * self.capacity(u) if self.rw_exchange == "a2a" else S * self.local_batch * u.bag
+        out[name] = int(n * (2 * 4 + self.buffers[u.buffer].dim * (isz + 4)))
     return out
 
   def sync_bytes(self, sync: str | None = None) -> dict[str, int]:
@@ -328,6 +354,19 @@ class EmbeddingPlan:
     return ["tables (state and checkpoints key weights by buffer; export_state by table):",
             fmt(head), *map(fmt, rows)]
 
+  def describe_exchanges(self) -> list[str]:
+    """One line per row-wise unit (all_to_all capacity), and the id statistics per feature."""
+    lines = []
+    for name, u in self.units.items():
+      if u.kind == "row_wise":
+        slots = self.local_batch * u.bag
+        lines.append(f"  {name}: {self.rw_exchange}, capacity {self.capacity(u)} ids per "
+                     f"(device, owner) of {slots} slots per device (distinct share "
+                     f"{u.distinct_share:.2f})")
+    for f, st in sorted((self.id_stats or {}).items()):
+      lines.append(f"  ids {f}: {st.describe()}")
+    return lines
+
   def describe(self) -> str:
     """Text: the per-table lines of `describe_tables` (table -> state buffer, expected
     merged ids), then device | bytes | lookups/step | exchange bytes/step | shards held."""
@@ -367,7 +406,7 @@ class EmbeddingPlan:
     exch = sum(self.exchange_bytes().values())
     lines = [f"embedding plan: mesh replica={R} x shard={S}, global batch {self.batch_size}, "
              f"optimizer {self.optimizer.kind}",
-             *self.describe_tables(),
+             *self.describe_tables(), *self.describe_exchanges(),
              f"{'device':>8} | {'bytes':>14} | {'lookups/step':>12} | {'exchange B/step':>15} | shards held"]
     for j in range(S):
       for r in range(R):
@@ -432,7 +471,8 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                     replicate_max_bytes: int = REPLICATE_MAX_BYTES,
                     replica_sync: str = "auto",
                     dedup_min_bytes: int = DEDUP_MIN_BYTES,
-                    distinct_share: dict[str, float] | None = None) -> EmbeddingPlan:
+                    distinct_share: dict[str, float] | None = None,
+                    rw_exchange: str = "a2a", id_stats: dict | None = None) -> EmbeddingPlan:
   """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
 
   `mesh`: any `jax.sharding.Mesh` whose axis_names are ('replica', 'shard'), in that
@@ -451,7 +491,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   deduplicate ids before gathering (0: always, a huge value: never).
   `distinct_share`: {feature: distinct ids / id slots per device and step} (measured,
   see `stats.id_stats`; default 1: every slot distinct) sets each row-wise unit's
-  all_to_all capacity (`EmbeddingPlan.capacity`).
+  all_to_all capacity (`EmbeddingPlan.capacity`); `id_stats` ({feature: stats.IdStats}
+  of a sample of batches) sets it where `distinct_share` does not, and weighs the
+  table-wise placement by the valid lookups. `rw_exchange='broadcast'` sends
+  every row-wise lookup the exact fallback's way (all-gathered ids; to compare).
 
   Raises:
     ValueError naming the table, its size and the budget when it does not fit;
@@ -472,7 +515,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   budget = memory_budget_bytes if memory_budget_bytes is not None else 1 << 62
   lookups = {t: 0 for t in tables}
   for f in features.values():
-    lookups[f.table] += batch_size * f.bag
+    valid = id_stats[f.name].valid_share if id_stats and f.name in id_stats else 1.0
+    lookups[f.table] += batch_size * f.bag * valid
+  distinct_share = {**{f: st.distinct_share for f, st in (id_stats or {}).items()},
+                    **(distinct_share or {})}
 
   # 1. Sharding types and per-device bytes of everything spread over all shards.
   sharding, spread = {}, 0
@@ -564,8 +610,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     else:
       name = f"{buf.kind}.{f.name}"
       share = min(1.0, (distinct_share or {}).get(f.name, 1.0))
+      owner = id_stats[f.name].max_owner_share if id_stats and f.name in id_stats else 0.0
       units[name] = Unit(name, buf.kind, buf.name, (f.name,), pooled, f.bag,
-                         distinct_share=share if buf.kind == "row_wise" else 1.0)
+                         distinct_share=share if buf.kind == "row_wise" else 1.0,
+                         owner_share=owner if buf.kind == "row_wise" else 0.0)
   for (bname, pooled), fs in tw_groups.items():
     buf = buffers[bname]
     own = [buf.owners[buf.tables.index(f.table)] for f in fs]
@@ -575,8 +623,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                        max(f.bag for f in fs), tuple(tuple(s) for s in slots))
   units = {n: dataclasses.replace(u, dedup=_local_weight_bytes(buffers[u.buffer]) >= dedup_min_bytes)
            for n, u in units.items()}
+  if rw_exchange not in ("a2a", "broadcast"):
+    raise ValueError(f"rw_exchange {rw_exchange!r} not in ('a2a', 'broadcast')")
   plan = EmbeddingPlan(mesh, tables, features, opt, batch_size, sharding, buffers, units,
-                       buffer_of)
+                       buffer_of, rw_exchange, dict(id_stats) if id_stats else None)
   return _choose_sync(plan, replica_sync)
 
 

@@ -76,10 +76,11 @@ def sparse_optimizer(emb_cfg) -> emb_lib.SparseOptimizerConfig:
 
 
 def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | None = None, *,
-              replica_sync: str | None = None):
+              replica_sync: str | None = None, id_stats: dict | None = None):
   """The embedding plan (any mesh, an AbstractMesh too); over the memory budget: ConfigError.
 
-  `replica_sync` None: the config's `embedding.replica_sync` (default 'auto').
+  `replica_sync` None: the config's `embedding.replica_sync` (default 'auto');
+  `id_stats`: {feature: emb_lib.IdStats} (`sample_id_stats`) for the planner.
   """
   tables, features = embedding_configs(spec, emb_cfg, shared)
   budget = emb_cfg.get("memory_budget_gb")
@@ -87,9 +88,26 @@ def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | Non
     return emb_lib.plan_embeddings(
         tables, features, mesh, batch_size=batch_size, optimizer=sparse_optimizer(emb_cfg),
         memory_budget_bytes=int(budget * 2**30) if budget else None,
-        replica_sync=replica_sync or emb_cfg.get("replica_sync", "auto"))
+        replica_sync=replica_sync or emb_cfg.get("replica_sync", "auto"), id_stats=id_stats)
   except ValueError as e:
     raise ConfigError(f"embedding plan: {e}") from None
+
+
+def sample_id_stats(config, train_src, plan) -> dict | None:
+  """Id statistics of the first `embedding.id_stats_batches` global train batches, read
+  alike on every process (so every process plans the same), when `plan` has row-wise
+  units (their all_to_all capacity is what the statistics size); else None."""
+  n = int(config.embedding.get("id_stats_batches", 0))
+  if n <= 0 or not any(u.kind == "row_wise" for u in plan.units.values()):
+    return None
+  it = train_src.batches(config.data.batch_size, seed=config.seed, repeat=True)
+  try:
+    sample = [b["ids"] for b in pipeline.take(it, n)]
+  finally:
+    getattr(it, "close", lambda: None)()
+  tables, features = list(plan.tables.values()), list(plan.features.values())
+  return emb_lib.id_stats(tables, features, sample, num_devices=plan.mesh.devices.size,
+                          num_shards=plan.num_shards)
 
 
 def sources(config) -> tuple[Any, Any, dict | None]:
@@ -334,6 +352,9 @@ def setup(config) -> Setup:
   spec = train_src.spec
   validate.check_embedding(spec, config.embedding, shared)
   plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared)
+  stats = sample_id_stats(config, train_src, plan)
+  if stats is not None:
+    plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared, id_stats=stats)
   eval_plan = plan.with_batch_size(config.data.eval_batch_size)  # the train placement
   feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
   model_fn = model_factory(config.model, spec, feature_dims)
