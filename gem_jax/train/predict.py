@@ -119,13 +119,17 @@ def _keys(path) -> tuple[str, ...]:
 def check_shapes(step_dir: str, abstract: Any) -> None:
   """ConfigError naming the first leaves whose saved shape (Orbax metadata) differs from
   `abstract` (the restore target); no-op when the metadata cannot be read."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)        # Orbax warns of a file it does not need
   try:
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     tree = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state")).item_metadata.tree
     saved = {_keys(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
              if hasattr(x, "shape")}
   except (OSError, ValueError, AttributeError):
     return
+  finally:
+    logging.set_verbosity(verbosity)
   want = {_keys(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   bad = [f"{'/'.join(k)}: checkpoint {saved[k]}, this config {s}"
          for k, s in want.items() if k in saved and saved[k] != s]
