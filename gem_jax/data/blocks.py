@@ -63,7 +63,8 @@ def read_csv(data: bytes, names: list[str], types: dict, delimiter: str,
   and reported, whitespace-only lines skipped; empty lines come back as all-null
   rows (`ignore_empty_lines=False` keeps the line count).
   """
-  if data.translate(None, allowed) or data.count(b"\r") != data.count(b"\r\n"):
+  if data.translate(None, allowed) or (b"\r" in data
+                                       and data.count(b"\r") != data.count(b"\r\n")):
     return None
   bad, skipped = [], [0]
 

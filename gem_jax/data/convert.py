@@ -71,15 +71,22 @@ class DatasetWriter:
       raise BadRow(f"cannot store the source's batch: {why}")
     self._pending.append(leaves)
     self._pending_rows += n
-    while self._pending_rows >= self.row_group_rows:
-      self._flush(self.row_group_rows)
+    if self._pending_rows >= self.row_group_rows:   # one concatenation, then slices
+      joined = self._joined()
+      full = self._pending_rows // self.row_group_rows * self.row_group_rows
+      for a in range(0, full, self.row_group_rows):
+        self._write_group({k: v[a:a + self.row_group_rows] for k, v in joined.items()})
+      rest = {k: v[full:] for k, v in joined.items()}
+      self._pending = [rest] if len(rest["domain"]) else []
+      self._pending_rows -= full
 
-  def _flush(self, rows: int) -> None:
-    joined = {k: np.concatenate([p[k] for p in self._pending]) for k in self._pending[0]}
-    head = {k: v[:rows] for k, v in joined.items()}
-    rest = {k: v[rows:] for k, v in joined.items()}
-    self._pending = [rest] if len(rest["domain"]) else []
-    self._pending_rows -= rows
+  def _joined(self) -> dict:
+    if len(self._pending) == 1:
+      return self._pending[0]
+    return {k: np.concatenate([p[k] for p in self._pending]) for k in self._pending[0]}
+
+  def _write_group(self, head: dict) -> None:
+    rows = len(head["domain"])
     if self._writer is None:
       name = f"part-{len(self.files):05d}.parquet"
       self._file = {"path": name, "rows": 0, "row_groups": []}
@@ -104,7 +111,8 @@ class DatasetWriter:
 
   def close(self) -> list[dict]:
     if self._pending_rows:
-      self._flush(self._pending_rows)
+      self._write_group(self._joined())
+      self._pending, self._pending_rows = [], 0
     if self._writer is not None:
       self._close_file()
     return self.files

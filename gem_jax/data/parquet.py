@@ -235,6 +235,7 @@ class LaneIterator:
     self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._windows: dict[int, tuple[tuple[int, int], dict]] = {}   # lane -> current window
     self._held: dict[int, dict[int, dict]] = {}                     # lane -> its row groups
+    self._lane_cache: dict[tuple[int, int], list[int]] = {}
     self._started = False
 
   def state(self) -> dict:
@@ -273,11 +274,6 @@ class LaneIterator:
       out.append((int(order[i]), int(max(a, cum[i]) - cum[i]), int(min(b, cum[i + 1]) - cum[i])))
     return out
 
-  def _next_window(self, lane: int, epoch: int, w: int) -> tuple[int, int] | None:
-    if (w + 1) * self.window < self.lane_len[lane]:
-      return epoch, w + 1
-    return (epoch + 1, 0) if self.repeat else None
-
   def _load(self, lane: int, epoch: int, w: int) -> dict[str, np.ndarray]:
     """Window w of `lane` in `epoch`, permuted; prefetches the next one's row groups."""
     cached = self._windows.get(lane)
@@ -298,11 +294,32 @@ class LaneIterator:
       perm = np.random.default_rng((self.seed, epoch, lane, w)).permutation(n)
       win = {k: v[perm] for k, v in win.items()}
     self._windows[lane] = ((epoch, w), win)
-    nxt = self._next_window(lane, epoch, w)
-    if nxt is not None:
-      self._blocks.prefetch(b for b, _, _ in self._window_blocks(lane, *nxt)
-                            if b not in self._held[lane])
+    self._blocks.prefetch(b for b in self._upcoming(lane, epoch, last)
+                          if b not in self._held[lane])
     return win
+
+  def _lane_blocks(self, lane: int, epoch: int) -> list[int]:
+    """The row groups of `lane` in `epoch`, in the order the lane reads them."""
+    key = (lane, epoch)
+    if key not in self._lane_cache:
+      n = self.lane_len[lane]
+      order, cum = self._order(epoch)
+      a, b = self.lane_start[lane], self.lane_start[lane] + n
+      i0 = int(np.searchsorted(cum, a, side="right")) - 1
+      i1 = int(np.searchsorted(cum, b, side="left"))
+      self._lane_cache = {k: v for k, v in self._lane_cache.items() if k[1] >= epoch}
+      self._lane_cache[key] = [int(x) for x in order[i0:i1]]
+    return self._lane_cache[key]
+
+  def _upcoming(self, lane: int, epoch: int, block: int) -> list[int]:
+    """The `workers` (at least 1) row groups `lane` reads after `block`: read ahead by
+    whole row groups, not windows, so a group is ready when the lane reaches it."""
+    ahead = max(1, self.source.workers)
+    blocks = self._lane_blocks(lane, epoch)
+    nxt = blocks[blocks.index(block) + 1:][:ahead]
+    if len(nxt) < ahead and self.repeat:
+      nxt += self._lane_blocks(lane, epoch + 1)[:ahead - len(nxt)]
+    return nxt
 
   def _take(self, lane: int, start: int, k: int) -> list[dict[str, np.ndarray]]:
     """Rows [start, start + k) of the lane's stream (epochs back to back when repeating)."""
