@@ -103,7 +103,11 @@ def test_describe_lists_every_device():
     assert col in text
   assert "big[rw 0:50000]" in text and "big[rw 50000:100000]" in text
   assert "mid1[tw]" in text and "tiny[rep]" in text
-  assert len(text.splitlines()) == 1 + (2 + 4) + 1 + 4   # header, tables, devices
+  rw = [u for u in plan.units.values() if u.kind == "row_wise"]
+  assert len(rw) == 2 and all(f"{u.name}: a2a, capacity {plan.capacity(u)} ids" in text
+                              for u in rw)
+  assert len(text.splitlines()) == 1 + (2 + 4) + len(rw) + 1 + 4  # header, tables, row-wise
+  #                                                                 exchanges, devices
   by_dev = plan.device_bytes()
   assert by_dev["big"] == 50_000 * (64 * 4 + 4)
   assert all(v > 0 for u, v in plan.forward_bytes().items() if not u.startswith("replicated"))

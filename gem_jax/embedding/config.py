@@ -63,6 +63,8 @@ class TableConfig:
     vocab: distinct raw ids the table's features can carry, when known (None:
       unknown). Used only by `EmbeddingPlan.describe()` for the expected
       share of ids that the policy merges (`expected_collision_rate`).
+    optimizer: this table's `SparseOptimizerConfig` (kind, lr, ...); None: the
+      plan's. Optimizer state stays fp32 whatever `dtype` the weights have.
   """
   name: str
   rows: int
@@ -72,6 +74,7 @@ class TableConfig:
   initializer: Initializer = dataclasses.field(default_factory=uniform_init)
   id_policy: str = "error"
   vocab: int | None = None
+  optimizer: "SparseOptimizerConfig | None" = None
 
   def __post_init__(self):
     if self.rows <= 0 or self.dim <= 0:

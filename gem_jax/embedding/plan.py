@@ -62,6 +62,7 @@ class Buffer:
 
   num_shards: int = 1
   sync: str = "none"             # none | rows | dense (replica sync, see module doc)
+  optimizer: SparseOptimizerConfig = SparseOptimizerConfig()   # of every table in it
 
   @property
   def sync_axes(self) -> tuple[str, ...]:
@@ -158,7 +159,7 @@ class EmbeddingPlan:
     specs = {}
     for name, buf in self.buffers.items():
       s = {"weight": buf.weight_spec()}
-      for slot in self.optimizer.slot_names():
+      for slot in buf.optimizer.slot_names():
         s[slot] = {"accumulator": buf.row_spec(), "m": buf.weight_spec(),
                    "v": buf.weight_spec(), "step": P()}[slot]
       specs[name] = s
@@ -182,7 +183,7 @@ class EmbeddingPlan:
     out = {}
     for t, cfg in self.tables.items():
       s = {"weight": self._ns(layout.canonical_spec(cfg.rows, cfg.dim, self.num_shards))}
-      for slot in self.optimizer.slot_names():
+      for slot in self.table_optimizer(t).slot_names():
         if slot == "accumulator":
           s[slot] = self._ns(layout.canonical_spec(cfg.rows, None, self.num_shards))
         elif slot == "step":
@@ -191,6 +192,10 @@ class EmbeddingPlan:
           s[slot] = s["weight"]
       out[t] = s
     return out
+
+  def table_optimizer(self, table: str) -> SparseOptimizerConfig:
+    """The optimizer of `table`: its own, else the plan's."""
+    return self.tables[table].optimizer or self.optimizer
 
   def capacity(self, u: Unit) -> int:
     """Row-wise unit `u`: ids one device sends one owner per step: `layout.rw_capacity` of
@@ -219,8 +224,8 @@ class EmbeddingPlan:
     for name, buf in self.buffers.items():
       itemsize = jnp.dtype(buf.dtype).itemsize
       w = buf.local_rows * buf.local_dim * itemsize
-      slots = buf.local_rows * self.optimizer.slot_bytes_per_row(buf.local_dim)
-      if buf.kind == "column_wise" and self.optimizer.kind == "rowwise_adagrad":
+      slots = buf.local_rows * buf.optimizer.slot_bytes_per_row(buf.local_dim)
+      if buf.kind == "column_wise" and buf.optimizer.kind == "rowwise_adagrad":
         slots = buf.rows * 4
       out[name] = w + slots
     return out
@@ -332,23 +337,25 @@ class EmbeddingPlan:
     return "whole, on every device"
 
   def describe_tables(self) -> list[str]:
-    """One line per table: size, sharding, its state buffer (`state[buffer]`) and
-    place in it, replica sync, id policy, expected share of merged ids.
+    """One line per table: size, dtype, sharding, its state buffer (`state[buffer]`) and
+    place in it, replica sync, optimizer, id policy, expected share of merged ids.
 
     merged = `config.expected_collision_rate(rows, vocab, id_policy)`: 1 - E[rows
     hit] / vocab, with E[rows hit] = rows (1 - (1 - 1/rows)^vocab) for 'hash';
     '?' when the table's `vocab` is unknown.
     """
-    head = ("table", "rows x dim", "sharding", "buffer", "place in buffer", "sync",
-            "id_policy", "merged ids")
+    head = ("table", "rows x dim", "dtype", "sharding", "buffer", "place in buffer", "sync",
+            "optimizer", "id_policy", "merged ids")
     rows = []
     for t, c in self.tables.items():
       rate = expected_collision_rate(c.rows, c.vocab, c.id_policy)
       merged = ("? (vocab unknown)" if rate is None else f"{100 * rate:.1f} %"
                 + (f" of {c.vocab}" if c.vocab is not None and c.id_policy != "error" else ""))
       buf = self.buffers[self.buffer_of[t]]
-      rows.append((t, f"{c.rows}x{c.dim}", self.sharding[t], buf.name, self.table_placement(t),
-                   buf.sync, c.id_policy, merged))
+      o = buf.optimizer
+      rows.append((t, f"{c.rows}x{c.dim}", jnp.dtype(c.dtype).name, self.sharding[t], buf.name,
+                   self.table_placement(t), buf.sync, f"{o.kind} lr {o.lr:g}", c.id_policy,
+                   merged))
     width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  " + " | ".join(x.ljust(w) for x, w in zip(r, width)).rstrip()  # noqa: E731
     return ["tables (state and checkpoints key weights by buffer; export_state by table):",
@@ -401,7 +408,7 @@ class EmbeddingPlan:
         for i, t in enumerate(buf.tables):
           rows = self.tables[t].rows
           dev_bytes[buf.owners[i]] += rows * (buf.dim * isz
-                                              + self.optimizer.slot_bytes_per_row(buf.dim))
+                                              + buf.optimizer.slot_bytes_per_row(buf.dim))
     lookups = self.lookups_per_device()
     exch = sum(self.exchange_bytes().values())
     lines = [f"embedding plan: mesh replica={R} x shard={S}, global batch {self.batch_size}, "
@@ -425,6 +432,11 @@ def check_mesh(mesh: Mesh) -> None:
         f"the embedding engine needs a Mesh with axis_names ('replica', 'shard') (tables split "
         f"over 'shard', copied over 'replica'), got {names}: build it as Mesh(devices.reshape("
         f"R, S), ('replica', 'shard')) or gem_jax.parallel.mesh.make_mesh((R, S))")
+
+
+def _opt_tag(opt: SparseOptimizerConfig) -> str:
+  """A buffer-name suffix for a non-default optimizer, e.g. 'sgd_lr0.1'."""
+  return f"{opt.kind}_lr{opt.lr:g}"
 
 
 def _table_bytes(t: TableConfig, opt: SparseOptimizerConfig) -> int:
@@ -502,6 +514,7 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     ValueError when `mesh` does not have the axes ('replica', 'shard') (`check_mesh`).
   """
   opt = optimizer or SparseOptimizerConfig()
+  opt_of = lambda t: t.optimizer or opt   # noqa: E731  (a table's own optimizer or the plan's)
   check_mesh(mesh)
   R, S = mesh.shape["replica"], mesh.shape["shard"]
   tables = {t.name: t for t in tables}
@@ -525,9 +538,9 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   for t in tables.values():
     kind = t.sharding
     if kind == "auto":
-      if S == 1 or _table_bytes(t, opt) <= replicate_max_bytes:
+      if S == 1 or _table_bytes(t, opt_of(t)) <= replicate_max_bytes:
         kind = "replicated" if S > 1 else "table_wise"
-      elif _table_bytes(t, opt) <= budget / 2:
+      elif _table_bytes(t, opt_of(t)) <= budget / 2:
         kind = "table_wise"
       else:
         kind = "row_wise"
@@ -536,13 +549,14 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     kind = sharding[t.name]
     isz = jnp.dtype(t.dtype).itemsize
     if kind == "row_wise":
-      need = layout.rows_per_shard(t.rows, S) * (t.dim * isz + opt.slot_bytes_per_row(t.dim))
+      need = layout.rows_per_shard(t.rows, S) * (t.dim * isz
+                                                 + opt_of(t).slot_bytes_per_row(t.dim))
     elif kind == "column_wise":
       cps = layout.cols_per_shard(t.dim, S)
-      need = t.rows * (cps * isz + (4 if opt.kind == "rowwise_adagrad" else
-                                    opt.slot_bytes_per_row(cps)))
+      need = t.rows * (cps * isz + (4 if opt_of(t).kind == "rowwise_adagrad" else
+                                    opt_of(t).slot_bytes_per_row(cps)))
     elif kind == "replicated":
-      need = _table_bytes(t, opt)
+      need = _table_bytes(t, opt_of(t))
     else:
       continue
     if spread + need > budget:
@@ -551,29 +565,29 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
 
   # 2. Table-wise placement, balanced on bytes and lookups.
   tw = [t for t in tables.values() if sharding[t.name] == "table_wise"]
-  tot_b = sum(_table_bytes(t, opt) for t in tw) or 1
+  tot_b = sum(_table_bytes(t, opt_of(t)) for t in tw) or 1
   tot_l = sum(lookups[t.name] for t in tw) or 1
-  costs = [_table_bytes(t, opt) / tot_b + lookups[t.name] / tot_l for t in tw]
+  costs = [_table_bytes(t, opt_of(t)) / tot_b + lookups[t.name] / tot_l for t in tw]
   owners = dict(zip((t.name for t in tw), layout.assign_table_wise(costs, S)))
   used = [spread] * S
-  for t in sorted(tw, key=lambda t: -_table_bytes(t, opt)):
-    used[owners[t.name]] += _table_bytes(t, opt)
+  for t in sorted(tw, key=lambda t: -_table_bytes(t, opt_of(t))):
+    used[owners[t.name]] += _table_bytes(t, opt_of(t))
     if used[owners[t.name]] > budget:
-      raise _fits_error(t, "table_wise", _table_bytes(t, opt), budget,
-                        used[owners[t.name]] - _table_bytes(t, opt))
+      raise _fits_error(t, "table_wise", _table_bytes(t, opt_of(t)), budget,
+                        used[owners[t.name]] - _table_bytes(t, opt_of(t)))
 
-  # 3. Buffers.
+  # 3. Buffers (table-wise tables packed by (dim, dtype, optimizer)).
   buffers, buffer_of = {}, {}
   groups: dict[tuple, list[TableConfig]] = {}
   for t in tw:
-    groups.setdefault((t.dim, jnp.dtype(t.dtype).name), []).append(t)
-  for (dim, dtname), ts in groups.items():
-    name = f"tw_d{dim}_{dtname}"
+    groups.setdefault((t.dim, jnp.dtype(t.dtype).name, opt_of(t)), []).append(t)
+  for (dim, dtname, t_opt), ts in groups.items():
+    name = f"tw_d{dim}_{dtname}" + ("" if t_opt == opt else f"_{_opt_tag(t_opt)}")
     own = [owners[t.name] for t in ts]
     offsets, cap = layout.block_offsets(own, [t.rows for t in ts], S)
     buffers[name] = Buffer(name, "table_wise", dim, dim, ts[0].dtype, tuple(t.name for t in ts),
                            rows=S * cap, local_rows=cap, owners=tuple(own),
-                           offsets=tuple(offsets), num_shards=S)
+                           offsets=tuple(offsets), num_shards=S, optimizer=t_opt)
     for t in ts:
       buffer_of[t.name] = name
   for t in tables.values():
@@ -581,13 +595,13 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     if kind == "row_wise":
       rps = layout.rows_per_shard(t.rows, S)
       buffers[t.name] = Buffer(t.name, kind, t.dim, t.dim, t.dtype, (t.name,), S * rps, rps,
-                               num_shards=S)
+                               num_shards=S, optimizer=opt_of(t))
     elif kind == "column_wise":
       buffers[t.name] = Buffer(t.name, kind, t.dim, layout.cols_per_shard(t.dim, S), t.dtype,
-                               (t.name,), t.rows, t.rows, num_shards=S)
+                               (t.name,), t.rows, t.rows, num_shards=S, optimizer=opt_of(t))
     elif kind == "replicated":
       buffers[t.name] = Buffer(t.name, kind, t.dim, t.dim, t.dtype, (t.name,), t.rows, t.rows,
-                               num_shards=S)
+                               num_shards=S, optimizer=opt_of(t))
     else:
       continue
     buffer_of[t.name] = t.name

@@ -17,8 +17,7 @@ from gem_jax.embedding import tw_move
 from gem_jax.embedding.plan import EmbeddingPlan
 
 
-def _default_slots(plan: EmbeddingPlan, rows: int, dim: int) -> dict:
-  opt = plan.optimizer
+def _default_slots(opt, rows: int, dim: int) -> dict:
   out = {}
   for s in opt.slot_names():
     if s == "accumulator":
@@ -37,7 +36,7 @@ def _init_canonical(plan: EmbeddingPlan, key) -> dict:
   for i, (name, t) in enumerate(plan.tables.items()):
     w = t.initializer(jax.random.fold_in(key, i), (t.rows, t.dim), t.dtype)
     w = jax.lax.with_sharding_constraint(w.astype(t.dtype), shard[name]["weight"])
-    out[name] = {"weight": w, **_default_slots(plan, t.rows, t.dim)}
+    out[name] = {"weight": w, **_default_slots(plan.table_optimizer(name), t.rows, t.dim)}
   return out
 
 
@@ -46,7 +45,7 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
   shard = plan.canonical_shardings()
   state = {}
   for name, buf in plan.buffers.items():
-    leaves = ["weight", *plan.optimizer.slot_names()]
+    leaves = ["weight", *buf.optimizer.slot_names()]
     out = {}
     for leaf in leaves:
       if leaf == "step":
@@ -136,12 +135,12 @@ def import_state(plan: EmbeddingPlan, canonical) -> dict:
                        f" the plan expects {want}")
     leaves = {"weight": src["weight"]}
     defaults = None
-    for s in plan.optimizer.slot_names():
+    for s in plan.table_optimizer(name).slot_names():
       if s in src:
         leaves[s] = src[s]
       else:
         if defaults is None:
-          defaults = _default_slots(plan, t.rows, t.dim)
+          defaults = _default_slots(plan.table_optimizer(name), t.rows, t.dim)
         leaves[s] = defaults[s]
     full[name] = {k: jax.device_put(v, shard[name][k]) for k, v in leaves.items()}
   fn = plan.cached_jit("import", lambda: jax.jit(

@@ -134,7 +134,8 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
     state: the embedding state (donate it to the enclosing jit for in-place updates).
     ctx: the `ctx` returned by `gather_rows` for these rows.
     row_grads: {unit: gradient}, the same structure as `rows`.
-    lr: learning rate overriding `plan.optimizer.lr` (may be traced, for schedules).
+    lr: learning rate overriding `plan.optimizer.lr` (may be traced, for schedules); a
+      table with its own optimizer gets lr x (its lr / `plan.optimizer.lr`).
     enabled: optional bool scalar (traced): False skips the update (e.g. a
       non-finite loss) without a table-sized select.
     frozen: optional {buffer: ((start, stop), ...)} global buffer rows that keep
@@ -144,8 +145,8 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
   Returns:
     The updated state (same structure and shardings).
   """
-  opt = plan.optimizer
-  lr = jnp.asarray(opt.lr if lr is None else lr, jnp.float32)
+  base = plan.optimizer
+  lr = jnp.asarray(base.lr if lr is None else lr, jnp.float32)
   specs = plan.state_specs()
   frozen = {k: tuple(v) for k, v in (frozen or {}).items() if v}
   for name in frozen:
@@ -153,7 +154,11 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
       raise KeyError(f"frozen rows for unknown buffer {name!r}; buffers: {sorted(plan.buffers)}")
 
   def update(name, buf, units, st, rows, g, unique, lr, enabled):
-    """One buffer's (rows, grads) on its owners -> its new state."""
+    """One buffer's (rows, grads) on its owners -> its new state. A buffer with its own
+    optimizer steps at lr x (its lr / the plan's): the schedule is shared."""
+    opt = buf.optimizer
+    if opt.lr != base.lr:
+      lr = lr * (opt.lr / base.lr)
     ranges = frozen.get(name, ())
     additive = opt.kind == "sgd" and st["weight"].dtype == jnp.float32
     uniq, gsum = _sync(plan, buf, rows, g, unique=unique, additive=additive)

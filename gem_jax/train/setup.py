@@ -15,11 +15,13 @@ Every config problem is a `validate.ConfigError`, raised before anything compile
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib
 import math
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
@@ -47,7 +49,8 @@ from gem_jax.train.validate import ConfigError
 # ------------------------------------------------------------------ tables --
 
 def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tuple[list, list]:
-  """One table per sparse feature (rows = its vocab, width = emb_cfg.dim).
+  """One table per sparse feature (rows = its vocab, width = emb_cfg.dim, unless
+  `emb_cfg.per_table` says otherwise: `per_table_settings`).
 
   Pooled features are sum-pooled bags; sequence item features are looked up
   per event (pooling 'none', bag = the stream length). `shared` maps a feature
@@ -57,18 +60,74 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
   """
   shared = dict(shared or {})
   seq_len = {f: s.max_len for s in spec.sequences for f in s.item_features}
+  own = per_table_settings(emb_cfg, [f.name for f in spec.sparse if
+                                     shared.get(f.name, f.name) == f.name])
   tables, features = [], []
   for f in spec.sparse:
     table = shared.get(f.name, f.name)
     if table == f.name:
-      tables.append(emb_lib.TableConfig(f.name, rows=f.vocab, dim=emb_cfg.dim,
+      o = own.get(f.name, {})
+      opt = (emb_lib.SparseOptimizerConfig(kind=o.get("optimizer", emb_cfg.optimizer),
+                                           lr=float(o.get("lr", emb_cfg.lr)))
+             if "optimizer" in o or "lr" in o else None)
+      tables.append(emb_lib.TableConfig(f.name, rows=f.vocab, dim=int(o.get("dim", emb_cfg.dim)),
+                                        dtype=jnp.dtype(o.get("dtype", "float32")),
                                         sharding=emb_cfg.sharding, id_policy=emb_cfg.id_policy,
-                                        vocab=f.vocab))
+                                        vocab=f.vocab, optimizer=opt))
     if f.name in seq_len:
       features.append(emb_lib.FeatureConfig(f.name, table, bag=seq_len[f.name], pooling="none"))
     else:
       features.append(emb_lib.FeatureConfig(f.name, table, bag=f.bag, pooling="sum"))
   return tables, features
+
+
+PER_TABLE_KEYS = {"dim": int, "dtype": str, "optimizer": str, "lr": float}
+TABLE_DTYPES = ("float32", "bfloat16")
+
+
+def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
+  """`embedding.per_table` -> {table: {dim, dtype, optimizer, lr}} (the keys it sets).
+
+  Syntax: rules `PATTERNS: key=value, ...` separated by ';', PATTERNS '|'-separated
+  globs over the table (feature) names; later rules win. Example:
+  'C1|C2: dim=64, optimizer=adam, lr=0.001; hist_*: dtype=bfloat16'. Keys: dim, dtype
+  (float32 | bfloat16: storage; optimizer state stays fp32), optimizer
+  (rowwise_adagrad | sgd | adam), lr. A pattern matching no table, an unknown key or
+  value: ConfigError.
+  """
+  spec = (getattr(emb_cfg, "per_table", "") or "").strip()
+  out: dict[str, dict] = {}
+  for rule in filter(None, (r.strip() for r in spec.split(";"))):
+    if ":" not in rule:
+      raise ConfigError(f"embedding.per_table: rule {rule!r} is not 'PATTERNS: key=value, ...'")
+    pats, body = rule.split(":", 1)
+    values = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+      key, _, val = item.partition("=")
+      key, val = key.strip(), val.strip()
+      if key not in PER_TABLE_KEYS or not val:
+        raise ConfigError(f"embedding.per_table: {item!r} in rule {rule!r}: keys are "
+                          f"{sorted(PER_TABLE_KEYS)} as key=value")
+      try:
+        values[key] = PER_TABLE_KEYS[key](val)
+      except ValueError:
+        raise ConfigError(f"embedding.per_table: {key}={val!r} is not a "
+                          f"{PER_TABLE_KEYS[key].__name__}") from None
+    if values.get("dtype", "float32") not in TABLE_DTYPES:
+      raise ConfigError(f"embedding.per_table: dtype={values['dtype']!r} not in {TABLE_DTYPES}")
+    if values.get("optimizer", "sgd") not in emb_lib.config.OPTIMIZERS:
+      raise ConfigError(f"embedding.per_table: optimizer={values['optimizer']!r} not in "
+                        f"{emb_lib.config.OPTIMIZERS}")
+    if values.get("dim", 1) <= 0 or values.get("lr", 1.0) <= 0:
+      raise ConfigError(f"embedding.per_table: rule {rule!r}: dim and lr must be positive")
+    for pat in (p.strip() for p in pats.split("|")):
+      hit = fnmatch.filter(tables, pat)
+      if not hit:
+        raise ConfigError(f"embedding.per_table: pattern {pat!r} matches no table; tables: "
+                          f"{tables}")
+      for t in hit:
+        out.setdefault(t, {}).update(values)
+  return out
 
 
 def sparse_optimizer(emb_cfg) -> emb_lib.SparseOptimizerConfig:
@@ -356,7 +415,7 @@ def setup(config) -> Setup:
   if stats is not None:
     plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared, id_stats=stats)
   eval_plan = plan.with_batch_size(config.data.eval_batch_size)  # the train placement
-  feature_dims = {f.name: config.embedding.dim for f in spec.sparse}
+  feature_dims = {f: plan.tables[c.table].dim for f, c in plan.features.items()}
   model_fn = model_factory(config.model, spec, feature_dims)
   p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, steps)
   step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,
