@@ -200,3 +200,34 @@ def test_shape_check_names_the_leaf(run):
   with pytest.raises(ConfigError, match=r"emb/C1/weight: checkpoint \(32768, 16\), this config"
                                         r" \(16384, 16\)"):
     predict.check_shapes(step_dir, abstract)
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_one_process_output(run, tmp_path):
+  """2 processes x 4 devices (scripts/launch_local.sh) score the text file and resume an
+  output that one process started: the rows and probabilities of one process."""
+  fx, workdir, _, _ = run
+  _predict(run, _dev_source(run), tmp_path / "one", rows_per_part=64)
+  started = tmp_path / "two"
+  assert _predict(run, _dev_source(run), started, rows_per_part=64, max_parts=3) == {
+      "interrupted_at": 192}
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             GEM_JAX_SCRIPT=os.path.join(ROOT, "scripts", "predict.py"),
+             GEM_JAX_LOG_DIR=str(tmp_path / "logs"))
+  for out in (tmp_path / "fresh", started):
+    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", "4", "--",
+           "--config", os.path.join(ROOT, "configs", "criteo.py"), "--workdir", workdir,
+           *_overrides(fx), "--config.mesh=(2,4)", f"--data={fx['dev']}", f"--out={out}",
+           f"--batch_size={BATCH}", "--rows_per_part=32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == 400
+  one = predict.read_predictions(str(tmp_path / "one"))
+  for out in ("fresh", "two"):
+    got = predict.read_predictions(str(tmp_path / out))
+    assert got["key"] == one["key"] and np.array_equal(got["row"], one["row"])
+    np.testing.assert_allclose(got["p_click"], one["p_click"], atol=1e-6, rtol=0)
+  parts = os.listdir(tmp_path / "fresh" / predict.PARTS)
+  procs = {json.load(open(tmp_path / "fresh" / predict.PARTS / p))["process"] for p in parts}
+  assert procs == {0, 1}

@@ -130,6 +130,7 @@ def test_fixed_batch_sizes_score_like_a_symbolic_batch(trained, held_out, tmp_pa
   assert b.shape == (11, 2)
   np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
   np.testing.assert_allclose(fixed(jax.tree.map(lambda x: x[:1], rows)), a[:1], atol=1e-6)
+  assert fixed(jax.tree.map(lambda x: x[:0], rows)).shape == (0, 2)                # no rows
 
 
 def test_loader_needs_no_training_code(trained, held_out, tmp_path):

@@ -43,6 +43,7 @@ from absl import logging
 from flax import nnx
 
 from gem_jax import embedding as emb_lib
+from gem_jax.data import columnar
 from gem_jax.data import pipeline
 from gem_jax.data.badrows import BadRow, BadRowCounter
 from gem_jax.parallel import sharding as shd
@@ -83,8 +84,6 @@ def scoring_config(config, batch_size: int, data: str | None = None) -> ml_colle
   c.data.batch_size = c.data.eval_batch_size = int(batch_size)
   if data:
     c.data.train = c.data.eval = data
-    if "eval_examples" in c.data:
-      c.data.eval_examples = c.data.eval_examples or 0
   if c.train.steps <= 0:
     c.train.steps = 1
   return c
@@ -285,7 +284,6 @@ class IndexedRows:
     return n, Slice(a, b - a, None, None, None, b)
 
   def _rows(self, a: int, b: int) -> dict:
-    from gem_jax.data import columnar  # pylint: disable=import-outside-toplevel
     if not hasattr(self.source, "read_block"):
       return self.source.examples(a, b, self.seed)
     parts, k = [], int(np.searchsorted(self.cum, a, side="right")) - 1
