@@ -94,15 +94,21 @@ def _row_sources(fx):
       "alimama": lambda: AlimamaSource(fx.alimama["train"]),
       "movielens": lambda: MovieLensSource(ml["ratings"], ml["movies"], split="train",
                                            split_timestamp=2 ** 40, max_len=8),
+      "movielens_split": lambda: MovieLensSource(ml["ratings_crlf"], ml["movies"], split="eval",
+                                                 split_quantile=0.7, max_len=5),
+      "movielens_bad": lambda: MovieLensSource(ml["bad"].path, split="train", max_len=8,
+                                               split_timestamp=2 ** 40, bad_row_limit=0.2),
   }
 
 
-@pytest.mark.parametrize("kind", ["avazu", "avazu_bad", "adult", "alimama", "movielens"])
+@pytest.mark.parametrize("kind", ["avazu", "avazu_bad", "adult", "alimama", "movielens",
+                                  "movielens_split", "movielens_bad"])
 def test_other_converters_match_text_reader(tmp_path, synth_data, kind):  # noqa: F811
   make = _row_sources(synth_data)[kind]
   meta = convert.convert(make(), str(tmp_path / "ds"), kind=kind, row_group_rows=100,
                          block_bytes=2000, workers=2)
-  assert meta["parser"] == ("vectorised" if kind.startswith("avazu") else "rows")
+  assert meta["parser"] == ("vectorised" if kind in ("avazu", "avazu_bad", "movielens",
+                                                    "movielens_split") else "rows")
   batches, counter = text_counter(make())
   src = ParquetSource(str(tmp_path / "ds"), lanes=1)
   assert src.spec == make().spec
@@ -110,7 +116,7 @@ def test_other_converters_match_text_reader(tmp_path, synth_data, kind):  # noqa
   assert_same_rows(rows_of(src.batches(64, repeat=False)), rows_of(batches))
   assert meta["bad_rows"] == counter.state()
   jagged = {leaf["path"] for leaf in meta["leaves"] if leaf["length"]}
-  if kind in ("movielens", "alimama"):   # sequences are stored jagged, not padded
+  if kind.startswith("movielens") or kind == "alimama":   # sequences stored jagged
     assert jagged and all(p.startswith(("ids/", "seq/")) for p in jagged)
   else:
     assert not jagged

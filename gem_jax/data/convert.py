@@ -7,11 +7,13 @@ row groups of `row_group_rows` rows, `rows_per_file` rows per file, then the
 metadata file (last, so a directory with a dataset.json is complete).
 
 Two parse paths, the same rows and bad-row reports:
-* vectorised: a line source with `parse_block(data, path, first_line, counter)`
-  (Criteo) gets the files in blocks of whole lines (`block_bytes`), parsed by
-  `workers` threads (pyarrow releases the GIL) and written in order;
-* row by row: any other source (Avazu, MovieLens, Alimama, adult, own
-  `StreamingSource`s), through its `open_stream` / `decode` / `collate`.
+* vectorised: a line source with `parse_block(data)` (Criteo, Avazu) gets the
+  files in blocks of whole lines (`block_bytes`), parsed by `workers` threads
+  (pyarrow releases the GIL) and written in order; a source with
+  `vectorised_leaves()` (MovieLens: users, sorting and histories need the whole
+  file) parses everything at once, or returns None for the row path;
+* row by row: any other source (Alimama, adult, own `StreamingSource`s, and
+  MovieLens files with bad rows), through its `open_stream` / `decode` / `collate`.
 
 Bad rows follow the readers' rules (gem_jax/data/badrows.py): counted, the
 first ones reported as file:line, and the conversion stops with
@@ -198,7 +200,11 @@ def convert(source, out_dir: str, *, kind: str, options: dict | None = None,
   counter = BadRowCounter(source.bad_row_limit, min_rows=source.bad_row_min_rows)
   writer = DatasetWriter(out_dir, source.spec, row_group_rows=row_group_rows,
                          rows_per_file=rows_per_file, compression=compression)
-  if hasattr(source, "parse_block") and hasattr(source, "paths"):
+  whole = source.vectorised_leaves() if hasattr(source, "vectorised_leaves") else None
+  if whole is not None:   # a source that parses all of its files at once (MovieLens)
+    counter.good(len(whole["domain"]))
+    chunks, parser = [whole], "vectorised"
+  elif hasattr(source, "parse_block") and hasattr(source, "paths"):
     chunks, parser = _vectorised_chunks(source, counter, workers, block_bytes), "vectorised"
   else:
     chunks, parser = _row_chunks(source, counter, row_group_rows), "rows"
