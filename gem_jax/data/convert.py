@@ -95,6 +95,7 @@ class DatasetWriter:
       self._writer = pq.ParquetWriter(os.path.join(self.out_dir, name + ".tmp"),
                                       columnar.schema(self.layout),
                                       compression=self.compression,
+                                      use_dictionary=dictionary_columns(head),
                                       write_statistics=False)  # no predicate pushdown here
     self._writer.write_table(columnar.to_table(head, self.layout), row_group_size=rows)
     self._file["rows"] += rows
@@ -118,6 +119,22 @@ class DatasetWriter:
     if self._writer is not None:
       self._close_file()
     return self.files
+
+
+DICTIONARY_MAX_SHARE = 0.25
+
+
+def dictionary_columns(leaves: dict[str, np.ndarray], sample: int = 65536) -> list[str]:
+  """Columns worth dictionary encoding: at most DICTIONARY_MAX_SHARE distinct values in
+  the first `sample` values. High-cardinality id columns (hashed ids: ~1 distinct value
+  per row) would fill the dictionary, fall back to plain encoding and pay for both:
+  measured 2-4x slower writes on planted 10^5-10^6-value fields."""
+  out = []
+  for path, x in leaves.items():
+    v = np.asarray(x).reshape(-1)[:sample]
+    if v.size and np.unique(v).size <= DICTIONARY_MAX_SHARE * v.size:
+      out.append(path)
+  return out
 
 
 def line_blocks(path: str, block_bytes: int, is_header=None) -> Iterator[tuple[bytes, int]]:
