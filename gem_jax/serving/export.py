@@ -38,8 +38,7 @@ from gem_jax.data.columnar import spec_to_json
 from gem_jax.serving import loader
 from gem_jax.serving import quantize
 from gem_jax.train import step as step_lib
-from gem_jax.train.predict import Model
-from gem_jax.transfer.generate import teacher_outputs
+from gem_jax.train.predict import Model, model_outputs
 
 UNSEEN_IDS = {
     "hash": "every id (seen in training or not) reads row splitmix64(id) mod rows, the row "
@@ -106,7 +105,7 @@ def scoring_fn(model: Model, keys: Sequence[str], treedef, table_dtype: str, tru
     p, rest = jax.tree_util.tree_unflatten(treedef, [params[k] for k in keys])
     net = nnx.merge(graphdef, p, rest)
     emb = embeddings(features, tables, batch, table_dtype)
-    out = teacher_outputs(net, step_lib.model_inputs(spec, batch, emb), fields)
+    out = model_outputs(net, step_lib.model_inputs(spec, batch, emb), fields)
     out["probs"] = jax.nn.sigmoid(out["logits"])
     return out
   return score

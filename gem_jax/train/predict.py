@@ -37,6 +37,7 @@ import time
 from typing import Any, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -52,7 +53,6 @@ from gem_jax.train import report
 from gem_jax.train import setup as setup_lib
 from gem_jax.train import step as step_lib
 from gem_jax.train.validate import ConfigError
-from gem_jax.transfer.generate import local_rows, teacher_outputs
 
 BAD_ROWS = ("reject", "missing", "drop")
 FORMATS = ("parquet", "tsv")
@@ -171,6 +171,29 @@ def restore_model(config, workdir: str, batch_size: int, step: int | None = None
   return Model(s, state, restored.step)
 
 
+def model_outputs(net, inputs: dict, fields: Sequence[str] = ()) -> dict:
+  """{'logits': (B, T) fp32, field: (B, D) fp32 for each aux field} of a model call."""
+  logits, aux = net(inputs, return_aux=True)
+  out = {"logits": logits.astype(jnp.float32)}
+  for f in fields:
+    if f not in aux:
+      raise KeyError(f"the model's aux outputs have no {f!r}; they have {sorted(aux)}")
+    out[f] = aux[f].reshape(aux[f].shape[0], -1).astype(jnp.float32)   # (B, D)
+  return out
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-sharded global array, in global row order (its
+  addressable shards sorted by start row, replicas' duplicates left out)."""
+  seen, parts = set(), []
+  for sh in sorted(x.addressable_shards, key=lambda t: t.index[0].start or 0):
+    start = sh.index[0].start or 0
+    if start not in seen:
+      seen.add(start)
+      parts.append(np.asarray(sh.data))
+  return np.concatenate(parts, axis=0)
+
+
 def forward_fn(model: Model, batch_shardings, trunk: bool = False):
   """`(state, batch) -> {'logits': (B, T) fp32[, 'trunk': (B, H)]}`: the eval step's forward
   (lookup, the model under the activation pins), jitted once with explicit shardings."""
@@ -181,7 +204,7 @@ def forward_fn(model: Model, batch_shardings, trunk: bool = False):
     emb = emb_lib.lookup(s.eval_plan, state.emb, batch["ids"], batch.get("weights"))
     net = nnx.merge(s.eval_cfg.graphdef, state.params, state.model_state)
     with shd.activation_sharding(s.mesh):
-      return teacher_outputs(net, step_lib.model_inputs(s.spec, batch, emb), fields)
+      return model_outputs(net, step_lib.model_inputs(s.spec, batch, emb), fields)
 
   return jax.jit(forward, in_shardings=(s.shardings, batch_shardings),
                  out_shardings=pipeline.batch_sharding(s.mesh))
