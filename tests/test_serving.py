@@ -1,9 +1,9 @@
 """Serving artifacts (scripts/export.py, gem_jax/serving): parity, quantization, the loader.
 
 * parity: for GEM, DLRM and DCNv2 (tiny, synthetic 'tiny' data: sequences, 2 tasks,
-  2 domains), the exported function's logits equal the in-process eval forward's
-  within 1e-6 (fp32) on the same rows, and the eval step's accumulators (loss, pred)
-  recomputed from them match;
+  2 domains; DLRM also with per-table widths and a bf16-stored table), the exported
+  function's logits equal the in-process eval forward's within 1e-6 (fp32) on the same
+  rows, and the eval step's accumulators (loss, pred) recomputed from them match;
 * quantization: a DLRM trained 200 steps, scored on 32k held-out rows (the synthetic
   'oracle' split) with fp32, bf16 and int8 tables: AUC within 0.001 of fp32 (measured:
   < 3e-5), table errors within their formats' bounds;
@@ -52,9 +52,16 @@ def _fresh_model(name: str, batch: int = 64, **changes) -> predict.Model:
 
 # ----------------------------------------------------------------------- parity --
 
-@pytest.mark.parametrize("name", ["gem", "dlrm", "dcnv2"])
-def test_exported_logits_match_the_eval_step(name, tmp_path):
-  model = _fresh_model(name)
+PER_TABLE = {"embedding.per_table": "user: dim=4, dtype=bfloat16; ad: dim=12"}
+
+
+@pytest.mark.parametrize("name, changes", [("gem", {}), ("dlrm", {}), ("dcnv2", {}),
+                                           ("dlrm", PER_TABLE)], ids=["gem", "dlrm", "dcnv2",
+                                                                      "dlrm-per-table"])
+def test_exported_logits_match_the_eval_step(name, changes, tmp_path):
+  """fp32 artifacts of fresh models; 'dlrm-per-table': tables of other widths, one stored
+  in bf16 in training (its rows pooled in bf16, as the sharded lookup does)."""
+  model = _fresh_model(name, **changes)
   s, state = model.setup, model.state
   batch = next(iter(s.eval_src.batches(64, seed=0, repeat=False)))
   dev = setup_lib.device_putter(s.eval_plan, s.mesh)(batch)

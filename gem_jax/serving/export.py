@@ -11,7 +11,7 @@
 The scoring function is the eval forward on one device, over whole tables:
 
   score(params, tables, batch) -> {'probs': (B, T), 'logits': (B, T)[, 'trunk': (B, H)]}
-    rows_f = table[ids_f] (dequantized to fp32; -1: zero rows)     (B, bag_f, D)
+    rows_f = table[ids_f] (dequantized, in the training storage dtype; -1: zero rows)
     e_f    = sum_i w_i rows_f,i ('sum'), / n_valid ('mean'), or per id ('none')
     logits = model(model_inputs(spec, batch, e))                    the model's forward
 
@@ -78,19 +78,22 @@ def input_signature(spec, features: dict, b) -> dict:
           "seq": seq, "domain": sds((b,), jnp.int32)}
 
 
-def embeddings(features: dict, tables: dict, batch: dict, table_dtype: str) -> dict:
-  """{feature: (B, D) pooled | (B, L, D) per id} from whole tables (one device)."""
+def embeddings(features: dict, tables: dict, batch: dict, table_dtype: str,
+               compute: dict | None = None) -> dict:
+  """{feature: (B, D) pooled | (B, L, D) per id} from whole tables (one device), pooled in
+  `compute[table]` (the training storage dtype, as the sharded lookup pools; default fp32)."""
   out = {}
   for name, f in features.items():
+    dt = (compute or {}).get(f.table, jnp.float32)
     ids = batch["ids"][name]                                             # (B, bag)
-    w = jnp.where(ids >= 0, batch["weights"][name].astype(jnp.float32), 0.0)
-    rows = quantize.gather(tables[f.table], ids, table_dtype)            # (B, bag, D)
+    w = jnp.where(ids >= 0, batch["weights"][name].astype(jnp.float32), 0.0).astype(dt)
+    rows = quantize.gather(tables[f.table], ids, table_dtype).astype(dt)  # (B, bag, D)
     if f.pooling == "none":
       out[name] = rows * w[..., None]
       continue
     e = jnp.einsum("bl,bld->bd", w, rows)                               # (B, D)
     if f.pooling == "mean":
-      e = e / jnp.maximum(jnp.sum(ids >= 0, axis=1).astype(jnp.float32), 1.0)[:, None]
+      e = e / jnp.maximum(jnp.sum(ids >= 0, axis=1).astype(jnp.float32), 1.0)[:, None].astype(dt)
     out[name] = e
   return out
 
@@ -99,12 +102,13 @@ def scoring_fn(model: Model, keys: Sequence[str], treedef, table_dtype: str, tru
   """score(params {path: array}, tables {table: {leaf: array}}, batch) -> outputs (dict)."""
   s = model.setup
   graphdef, spec, features = s.eval_cfg.graphdef, s.spec, dict(s.plan.features)
+  compute = {n: t.dtype for n, t in s.plan.tables.items()}
   fields = ("trunk",) if trunk else ()
 
   def score(params, tables, batch):
     p, rest = jax.tree_util.tree_unflatten(treedef, [params[k] for k in keys])
     net = nnx.merge(graphdef, p, rest)
-    emb = embeddings(features, tables, batch, table_dtype)
+    emb = embeddings(features, tables, batch, table_dtype, compute)
     out = model_outputs(net, step_lib.model_inputs(spec, batch, emb), fields)
     out["probs"] = jax.nn.sigmoid(out["logits"])
     return out
@@ -156,6 +160,7 @@ def export_artifact(model: Model, out: str, *, batch_sizes: Sequence[int] | None
               x.view(np.uint16) if x.dtype == jnp.bfloat16 else x)
     stored[name] = arrays
     table_meta[name] = {"rows": t.rows, "dim": t.dim, "id_policy": t.id_policy,
+                        "trained_dtype": str(np.dtype(t.dtype)),
                         "unseen_ids": UNSEEN_IDS[t.id_policy], "dtype": table_dtype,
                         "files": files, "error": err,
                         "bytes": quantize.bytes_per_row(table_dtype, t.dim) * t.rows}

@@ -62,7 +62,8 @@ PARTS = "_parts"
 
 # Config fields that fix what a checkpoint's arrays mean: another value is another model.
 IDENTITY = ("model.name", "model.preset", "model.overrides", "embedding.dim",
-            "embedding.id_policy", "embedding.share_tables", "embedding.optimizer", "data.kind",
+            "embedding.id_policy", "embedding.share_tables", "embedding.optimizer",
+            "embedding.per_table", "data.kind",
             "data.preset", "data.vocab_size", "data.int_buckets", "data.max_len",
             "data.max_genres", "data.num_tables", "data.rows", "data.pooling")
 
