@@ -184,6 +184,13 @@ def test_loader_names_bad_fields_and_maps_unseen_ids(trained, held_out, tmp_path
     p(dict(rows, ids=dict(rows["ids"], ad=rows["ids"]["ad"].astype(np.float32))))
   with pytest.raises(ValueError, match="batch field 'domain' is missing"):   # 2 domains
     p({k: v for k, v in rows.items() if k != "domain"})
+  with pytest.raises(ValueError, match=re.escape("'domain': 2 at (1,) is outside [0, 2)")):
+    p(dict(rows, domain=np.asarray([0, 2, 1])))
+  with pytest.raises(ValueError, match="'dense': non-finite value"):
+    p(dict(rows, dense=np.where(np.arange(3)[:, None] == 2, np.nan, rows["dense"])))
+  long = dict(rows["seq"]["clicks"], len=np.asarray([0, 17, 3]))
+  with pytest.raises(ValueError, match=re.escape("'seq/clicks/len': 17 at (1,)")):
+    p(dict(rows, seq={"clicks": long}))
   unseen = dict(rows, ids=dict(rows["ids"], user=np.full((3, 1), 1 << 50, np.int64)))
   rows_t = p.manifest["tables"]["user"]["rows"]
   assert (p.prepare(unseen)["ids"]["user"] == hash_ids(np.asarray([1 << 50]), rows_t)[0]).all()

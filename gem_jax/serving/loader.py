@@ -13,7 +13,9 @@ Batch fields (the batch contract of gem_jax/data/spec.py, B rows, any B):
   weights  {feature: float (B, bag)}                    optional (default 1)
   seq      {stream: {len (B,), action, surface, dt (B, L)}}  required for each stream
   domain   int (B,)                                     optional when there is one domain
-Labels are not read. Ids go through each table's id policy first (manifest 'tables'):
+Labels are not read. A missing or misshaped field, a non-finite dense value, weight or
+dt, or a domain, action, surface or length outside its range is a ValueError naming the
+field (a model would read a clamped or NaN row instead). Ids go through each table's id policy first (manifest 'tables'):
 'hash' maps every id, seen in training or not, to splitmix64(id) mod rows; 'clip' maps
 ids >= rows to the last row; 'error' raises ValueError naming the feature and the id.
 A batch is scored by the exported function of a symbolic batch size in one call, or
@@ -91,7 +93,7 @@ class Predictor:
     b = _rows(batch)
     out = padding(m["inputs"], b)
     if m["spec"]["n_dense"]:
-      out["dense"] = _field(batch, ("dense",), out["dense"].shape, np.float32)
+      out["dense"] = _finite(_field(batch, ("dense",), out["dense"].shape, np.float32), "dense")
     for name, f in m["features"].items():
       t = m["tables"][f["table"]]
       raw = np.asarray(_field(batch, ("ids", name), out["ids"][name].shape, None))
@@ -99,13 +101,19 @@ class Predictor:
         raise ValueError(f"batch field 'ids/{name}': ids must be integers, got {raw.dtype}")
       out["ids"][name] = apply_id_policy(raw, t["rows"], t["id_policy"], name, f["table"])
       w = (batch.get("weights") or {}).get(name)
-      out["weights"][name] = (np.ones(raw.shape, np.float32) if w is None else
-                              _field(batch, ("weights", name), raw.shape, np.float32))
+      out["weights"][name] = (np.ones(raw.shape, np.float32) if w is None else _finite(
+          _field(batch, ("weights", name), raw.shape, np.float32), f"weights/{name}"))
     for s in m["spec"]["sequences"]:
-      for k, want in out["seq"][s["name"]].items():
-        out["seq"][s["name"]][k] = _field(batch, ("seq", s["name"], k), want.shape, want.dtype)
+      seq, limits = out["seq"][s["name"]], {"len": s["max_len"] + 1, "action": s["num_actions"],
+                                            "surface": s["num_surfaces"]}
+      for k, want in seq.items():
+        seq[k] = _field(batch, ("seq", s["name"], k), want.shape, want.dtype)
+        if k in limits:
+          _in_range(seq[k], limits[k], f"seq/{s['name']}/{k}")
+      _finite(seq["dt"], f"seq/{s['name']}/dt")
     if "domain" in batch or m["spec"]["num_domains"] > 1:
-      out["domain"] = _field(batch, ("domain",), (b,), np.int32)
+      out["domain"] = _in_range(_field(batch, ("domain",), (b,), np.int32),
+                                max(m["spec"]["num_domains"], 1), "domain")
     return out
 
   def outputs(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -149,6 +157,20 @@ def _field(batch: Mapping, path: tuple[str, ...], shape: tuple, dtype) -> np.nda
   x = np.asarray(x) if dtype is None else np.asarray(x, dtype)
   if x.shape != tuple(shape):
     raise ValueError(f"batch field {'/'.join(path)!r}: shape {x.shape}, expected {tuple(shape)}")
+  return x
+
+
+def _finite(x: np.ndarray, name: str) -> np.ndarray:
+  if not np.isfinite(x).all():
+    raise ValueError(f"batch field {name!r}: non-finite value at {np.argwhere(~np.isfinite(x))[0]}")
+  return x
+
+
+def _in_range(x: np.ndarray, high: int, name: str) -> np.ndarray:
+  bad = (x < 0) | (x >= high)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"batch field {name!r}: {int(x[where])} at {where} is outside [0, {high})")
   return x
 
 
