@@ -171,20 +171,16 @@ def export_artifact(model: Model, out: str, *, batch_sizes: Sequence[int] | None
   t_sig = {t: {leaf: jax.ShapeDtypeStruct(x.shape, x.dtype) for leaf, x in a.items()}
            for t, a in stored.items()}
   sizes = [None] if batch_sizes is None else sorted({int(b) for b in batch_sizes})
-  functions, signature = {}, None
+  symbolic = jax.export.symbolic_shape("b")[0]
+  functions = {}
   for size in sizes:
-    b = jax.export.symbolic_shape("b")[0] if size is None else size
-    sig = input_signature(s.spec, features, b)
+    sig = input_signature(s.spec, features, symbolic if size is None else size)
     exp = jax.export.export(fn, platforms=tuple(platforms) if platforms else None)(
         p_sig, t_sig, sig)
     name = "b" if size is None else str(size)
     functions[name] = f"score_{name}.jaxexport"
     with open(os.path.join(out, functions[name]), "wb") as f:
       f.write(exp.serialize())
-    if signature is None:
-      signature = _signature_json(input_signature(s.spec, features,
-                                                  jax.export.symbolic_shape("b")[0]))
-      outputs = sorted(exp.out_tree.unflatten(exp.out_avals))
 
   manifest = {
       "format": loader.FORMAT, "format_version": loader.FORMAT_VERSION,
@@ -195,7 +191,8 @@ def export_artifact(model: Model, out: str, *, batch_sizes: Sequence[int] | None
       "features": {n: {"table": f.table, "bag": f.bag, "pooling": f.pooling}
                    for n, f in features.items()},
       "tables": table_meta, "table_dtype": table_dtype,
-      "inputs": signature, "outputs": outputs, "functions": functions,
+      "inputs": _signature_json(input_signature(s.spec, features, symbolic)),
+      "outputs": sorted(exp.out_tree.unflatten(exp.out_avals)), "functions": functions,
       "batch_sizes": "symbolic" if batch_sizes is None else sizes,
       "params": "params.npz",
   }
