@@ -30,7 +30,8 @@ flags.DEFINE_integer("row_group_rows", 65536, "rows per Parquet row group (the u
                      "shuffling and of per-process reading)")
 flags.DEFINE_integer("rows_per_file", 1 << 20, "rows per Parquet file")
 flags.DEFINE_integer("workers", os.cpu_count() or 1, "parser threads (vectorised formats)")
-flags.DEFINE_string("compression", "zstd", "Parquet compression (zstd, snappy, none, ...)")
+flags.DEFINE_string("compression", "lz4", "Parquet compression: lz4 (decodes fastest), zstd "
+                    "(about 25 % smaller files, the reader about 20 % slower), snappy, none")
 flags.mark_flags_as_required(["config", "out"])
 
 

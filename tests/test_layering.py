@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # their configs and layer shapes (it reads models/ and layers/: just above models;
 # no model imports it).
 LEVELS = {"data": 0, "embedding": 0, "hostmem": 0, "parallel": 1, "layers": 2, "models": 3,
-          "flops": 4, "train": 5, "transfer": 6, "bench": 6, "scripts": 7}
+          "flops": 4, "train": 5, "transfer": 6, "bench": 6, "serving": 6, "scripts": 7}
 
 # (importer package, imported package) pairs allowed against the rule, with the reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {}

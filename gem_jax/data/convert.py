@@ -46,7 +46,7 @@ class DatasetWriter:
   """
 
   def __init__(self, out_dir: str, spec, *, row_group_rows: int = 65536,
-               rows_per_file: int = 1 << 20, compression: str = "zstd"):
+               rows_per_file: int = 1 << 20, compression: str = "lz4"):
     if row_group_rows < 1 or rows_per_file < row_group_rows:
       raise ValueError(f"need 1 <= row_group_rows ({row_group_rows}) <= rows_per_file "
                        f"({rows_per_file})")
@@ -210,7 +210,7 @@ def _row_chunks(source, counter: BadRowCounter, chunk_rows: int) -> Iterator[dic
 
 def convert(source, out_dir: str, *, kind: str, options: dict | None = None,
             row_group_rows: int = 65536, rows_per_file: int = 1 << 20, workers: int = 1,
-            block_bytes: int = 16 << 20, compression: str = "zstd") -> dict:
+            block_bytes: int = 16 << 20, compression: str = "lz4") -> dict:
   """Converts one pass of `source` (file order) into the dataset `out_dir`; returns the
   metadata written to out_dir/dataset.json."""
   source.shuffle_buffer = 0   # file order: the reader shuffles at training time
