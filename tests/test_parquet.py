@@ -323,3 +323,17 @@ def test_not_a_dataset(tmp_path):
   (tmp_path / columnar.META_NAME).write_text("{not json")
   with pytest.raises(columnar.DatasetError, match="dataset.json: not valid JSON"):
     ParquetSource(str(tmp_path))
+
+
+def test_bad_row_lines_are_exact_across_parser_blocks(synth_data):  # noqa: F811
+  """pyarrow parses a block in 1 MB pieces: bad-row line numbers must not shift across them."""
+  with open(synth_data.criteo["train"], "rb") as f:
+    lines = f.read().split(b"\n")[:-1] * 4                     # ~1.6 MB: two or more pieces
+  bad = lines[0].rsplit(b"\t", 1)[0]                           # 39 fields
+  for at in (len(lines) - 7, len(lines) // 2, 3):              # later inserts first
+    lines.insert(at, bad)
+  data = b"\n".join(lines) + b"\n"
+  assert len(data) > 1 << 20
+  leaves, n, reports = CriteoSource(synth_data.criteo["train"]).parse_block(data)
+  assert n == len(lines) and len(leaves["domain"]) == len(lines) - 3
+  assert [i for i, _ in reports] == [i for i, x in enumerate(lines) if x == bad]
