@@ -30,6 +30,7 @@ Multi-process runs need OUT on a file system every process sees (like checkpoint
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import math
 import os
 import threading
@@ -120,16 +121,17 @@ def check_shapes(step_dir: str, abstract: Any) -> None:
   """ConfigError naming the first leaves whose saved shape (Orbax metadata) differs from
   `abstract` (the restore target); no-op when the metadata cannot be read."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)        # Orbax warns of a file it does not need
-  try:
+  absl_logger = logging.get_absl_logger()    # Orbax warns of a file it does not need; the
+  level = absl_logger.level                   # logger's own level comes back as it was (an
+  absl_logger.setLevel(std_logging.ERROR)     # unset level must stay unset: set_verbosity(
+  try:                                        # get_verbosity()) would pin it to WARNING)
     tree = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state")).item_metadata.tree
     saved = {_keys(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
              if hasattr(x, "shape")}
   except (OSError, ValueError, AttributeError):
     return
   finally:
-    logging.set_verbosity(verbosity)
+    absl_logger.setLevel(level)
   want = {_keys(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   bad = [f"{'/'.join(k)}: checkpoint {saved[k]}, this config {s}"
          for k, s in want.items() if k in saved and saved[k] != s]
