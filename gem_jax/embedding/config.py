@@ -19,7 +19,8 @@ Dtype = Any
 Initializer = Callable[[jax.Array, tuple[int, ...], Dtype], jax.Array]
 
 SHARDING_TYPES = ("auto", "table_wise", "row_wise", "column_wise", "replicated")
-ID_POLICIES = ("hash", "error", "clip")
+ID_POLICIES = ("hash", "error", "clip", "managed")
+EVICTIONS = ("lru", "lfu")
 POOLINGS = ("sum", "mean", "none")
 OPTIMIZERS = ("rowwise_adagrad", "sgd", "adam")
 # Row ids are int32 on the device, INT32_MAX marks "no row" in the row-wise exchange: every
@@ -28,16 +29,20 @@ MAX_ROWS = (1 << 31) - 2
 
 
 def uniform_init(scale: float | None = None) -> Initializer:
-  """U(-s, s) with s = `scale`, or 1/sqrt(rows) when None (TorchRec's default)."""
-  def init(key, shape, dtype):
-    s = scale if scale is not None else 1.0 / max(shape[0], 1) ** 0.5
+  """U(-s, s) with s = `scale`, or 1/sqrt(rows) when None (TorchRec's default).
+
+  `rows` (optional) is the table's row count when `shape` holds only some of its
+  rows (managed tables re-initialise evicted rows in batches); default shape[0].
+  """
+  def init(key, shape, dtype, rows=None):
+    s = scale if scale is not None else 1.0 / max(rows or shape[0], 1) ** 0.5
     return jax.random.uniform(key, shape, jnp.float32, -s, s).astype(dtype)
   return init
 
 
 def normal_init(stddev: float = 0.01) -> Initializer:
-  """N(0, stddev^2)."""
-  def init(key, shape, dtype):
+  """N(0, stddev^2) (`rows` is accepted and unused, see `uniform_init`)."""
+  def init(key, shape, dtype, rows=None):
     return (stddev * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
   return init
 
@@ -59,12 +64,22 @@ class TableConfig:
       [0, rows) pass unchanged, an id >= rows raises a ValueError naming it;
       'hash': splitmix64(id) mod rows for every id, also those already in range
       (raw 64-bit ids, signed or uint64; distinct ids can share a row); 'clip':
-      min(id, rows - 1). Negative signed ids are padding under every policy.
+      min(id, rows - 1); 'managed': a managed-collision map owned with the rows
+      (gem_jax/embedding/managed.py): every distinct raw id in [0, 2^63) gets a row of
+      its own while one is free in its probe window, else evicts by `eviction`;
+      -1 is padding there and other negative ids raise. Negative signed ids are
+      padding under the other policies.
     vocab: distinct raw ids the table's features can carry, when known (None:
       unknown). Used only by `EmbeddingPlan.describe()` for the expected
       share of ids that the policy merges (`expected_collision_rate`).
     optimizer: this table's `SparseOptimizerConfig` (kind, lr, ...); None: the
       plan's. Optimizer state stays fp32 whatever `dtype` the weights have.
+    eviction: managed tables: 'lru' (evict the probed slot seen longest ago) or 'lfu'
+      (the one with the fewest lookups, then the oldest).
+    ttl_steps: managed tables: an id not seen for this many steps is forgotten (its
+      slot is free again); 0: never.
+    probe: managed tables: slots per probe window (the rows an id may occupy);
+      `rows` must be a multiple of it.
   """
   name: str
   rows: int
@@ -75,6 +90,9 @@ class TableConfig:
   id_policy: str = "error"
   vocab: int | None = None
   optimizer: "SparseOptimizerConfig | None" = None
+  eviction: str = "lru"
+  ttl_steps: int = 0
+  probe: int = 8
 
   def __post_init__(self):
     if self.rows <= 0 or self.dim <= 0:
@@ -88,6 +106,19 @@ class TableConfig:
       raise ValueError(f"table {self.name!r}: sharding {self.sharding!r} not in {SHARDING_TYPES}")
     if self.id_policy not in ID_POLICIES:
       raise ValueError(f"table {self.name!r}: id_policy {self.id_policy!r} not in {ID_POLICIES}")
+    if self.eviction not in EVICTIONS:
+      raise ValueError(f"table {self.name!r}: eviction {self.eviction!r} not in {EVICTIONS}")
+    if self.ttl_steps < 0:
+      raise ValueError(f"table {self.name!r}: ttl_steps must be >= 0, got {self.ttl_steps}")
+    if self.probe <= 0:
+      raise ValueError(f"table {self.name!r}: probe must be positive, got {self.probe}")
+    if self.id_policy == "managed":
+      if self.rows % self.probe:
+        raise ValueError(f"table {self.name!r}: id_policy='managed' needs rows a multiple of "
+                         f"probe={self.probe}, got rows={self.rows}")
+      if self.sharding not in ("auto", "row_wise"):
+        raise ValueError(f"table {self.name!r}: id_policy='managed' tables are row_wise "
+                         f"(their map is sharded with the rows), got sharding={self.sharding!r}")
     if self.vocab is not None and self.vocab <= 0:
       raise ValueError(f"table {self.name!r}: vocab must be positive or None, got {self.vocab}")
 
@@ -99,7 +130,7 @@ def expected_collision_rate(rows: int, vocab: int | None, policy: str) -> float 
   e.g. vocab = rows: 1 - (1 - 1/e) = 36.8 %; clip: min(vocab, rows) rows hit;
   error: 0. None when `vocab` is unknown.
   """
-  if policy == "error":
+  if policy in ("error", "managed"):
     return 0.0
   if vocab is None:
     return None

@@ -12,6 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
+from gem_jax.embedding import managed
 from gem_jax.embedding.plan import EmbeddingPlan
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -69,6 +70,10 @@ def apply_id_policy(ids: np.ndarray, rows: int, policy: str, feature: str,
     out = hash_ids(ids, rows)
   elif policy == "clip":
     out = np.where(pad, -1, np.minimum(ids, rows - 1).astype(np.int64))
+  elif policy == "managed":
+    raise ValueError(f"feature {feature!r}: table {table!r} is managed: its rows come from the "
+                     "map inside the step (prepare_ids gives the raw-id halves, "
+                     "managed.resolve the rows)")
   elif policy == "error":
     bad = ~pad & (ids >= rows)   # numpy compares uint64 with int by value
     if bad.any():
@@ -123,7 +128,8 @@ def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray], *,
   process passes its own rows (its slice of the global batch, assembled into
   global arrays by `jax.make_array_from_process_local_data`); the policies are
   per id, so a slice is prepared alone. Returns `{feature: int32 (B / P, bag)}`
-  with -1 at padding; put a single process's batch on the mesh with
+  with -1 at padding (features of managed tables: int32 (B / P, bag, 2), the raw ids'
+  halves, `managed.split_ids`: the step maps them, `managed.resolve`); put a single process's batch on the mesh with
   `jax.device_put(ids, plan.ids_shardings())`.
   """
   if not 0 <= process_index < process_count:
@@ -141,5 +147,8 @@ def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray], *,
                        f"({local}, {f.bag}) ({whose}, bag; another batch size needs its "
                        f"own plan, see docs/embedding.md)")
     t = plan.tables[f.table]
-    out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
+    if t.id_policy == "managed":   # raw ids as int32 halves (local_batch, bag, 2)
+      out[name] = managed.split_ids(ids, name, t.name)
+    else:
+      out[name] = apply_id_policy(ids, t.rows, t.id_policy, name, t.name)
   return out

@@ -44,6 +44,10 @@ REPLICATE_MAX_BYTES = 1 << 18   # 'auto': tables up to 256 KiB (with slots) are 
 # block), and bench_embedding at 10^5..10^7 rows (up to 320 MB per device) was
 # 3-10 % slower with it at every size. Kept for blocks beyond anything measured.
 DEDUP_MIN_BYTES = 1 << 32
+# Managed-collision map of a table (managed.py), int32 per row: the raw id's two halves,
+# the step it was last seen, its lookup count; and the occupied slots (a scalar).
+MAP_LEAVES = ("map_hi", "map_lo", "map_last", "map_count", "map_used")
+MAP_BYTES_PER_ROW = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +166,8 @@ class EmbeddingPlan:
       for slot in buf.optimizer.slot_names():
         s[slot] = {"accumulator": buf.row_spec(), "m": buf.weight_spec(),
                    "v": buf.weight_spec(), "step": P()}[slot]
+      if self.is_managed(name):
+        s.update({leaf: (P() if leaf == "map_used" else buf.row_spec()) for leaf in MAP_LEAVES})
       specs[name] = s
     return specs
 
@@ -190,8 +196,19 @@ class EmbeddingPlan:
           s[slot] = self._ns(P())
         else:
           s[slot] = s["weight"]
+      if cfg.id_policy == "managed":
+        row = self._ns(layout.canonical_spec(cfg.rows, None, self.num_shards))
+        s.update({leaf: (self._ns(P()) if leaf == "map_used" else row) for leaf in MAP_LEAVES})
       out[t] = s
     return out
+
+  def is_managed(self, buffer: str) -> bool:
+    """Does `buffer` hold a managed-collision table (map leaves next to its slots)?"""
+    buf = self.buffers[buffer]
+    return buf.kind == "row_wise" and self.tables[buf.tables[0]].id_policy == "managed"
+
+  def managed_tables(self) -> list[str]:
+    return [t for t, c in self.tables.items() if c.id_policy == "managed"]
 
   def table_optimizer(self, table: str) -> SparseOptimizerConfig:
     """The optimizer of `table`: its own, else the plan's."""
@@ -227,6 +244,8 @@ class EmbeddingPlan:
       slots = buf.local_rows * buf.optimizer.slot_bytes_per_row(buf.local_dim)
       if buf.kind == "column_wise" and buf.optimizer.kind == "rowwise_adagrad":
         slots = buf.rows * 4
+      if self.is_managed(name):
+        slots += buf.local_rows * MAP_BYTES_PER_ROW
       out[name] = w + slots
     return out
 
@@ -537,7 +556,9 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   sharding, spread = {}, 0
   for t in tables.values():
     kind = t.sharding
-    if kind == "auto":
+    if t.id_policy == "managed":    # the map is sharded with the rows (managed.py)
+      kind = "row_wise"
+    elif kind == "auto":
       if S == 1 or _table_bytes(t, opt_of(t)) <= replicate_max_bytes:
         kind = "replicated" if S > 1 else "table_wise"
       elif _table_bytes(t, opt_of(t)) <= budget / 2:
@@ -550,7 +571,9 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     isz = jnp.dtype(t.dtype).itemsize
     if kind == "row_wise":
       need = layout.rows_per_shard(t.rows, S) * (t.dim * isz
-                                                 + opt_of(t).slot_bytes_per_row(t.dim))
+                                                 + opt_of(t).slot_bytes_per_row(t.dim)
+                                                 + (MAP_BYTES_PER_ROW if t.id_policy == "managed"
+                                                    else 0))
     elif kind == "column_wise":
       cps = layout.cols_per_shard(t.dim, S)
       need = t.rows * (cps * isz + (4 if opt_of(t).kind == "rowwise_adagrad" else
@@ -594,6 +617,8 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     kind = sharding[t.name]
     if kind == "row_wise":
       rps = layout.rows_per_shard(t.rows, S)
+      if t.id_policy == "managed":  # whole probe windows per shard
+        rps = t.probe * layout.rows_per_shard(t.rows // t.probe, S)
       buffers[t.name] = Buffer(t.name, kind, t.dim, t.dim, t.dtype, (t.name,), S * rps, rps,
                                num_shards=S, optimizer=opt_of(t))
     elif kind == "column_wise":

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gem_jax.embedding import tw_move
-from gem_jax.embedding.plan import EmbeddingPlan
+from gem_jax.embedding import managed, tw_move
+from gem_jax.embedding.plan import MAP_LEAVES, EmbeddingPlan
 
 
 def _default_slots(opt, rows: int, dim: int) -> dict:
@@ -37,6 +37,8 @@ def _init_canonical(plan: EmbeddingPlan, key) -> dict:
     w = t.initializer(jax.random.fold_in(key, i), (t.rows, t.dim), t.dtype)
     w = jax.lax.with_sharding_constraint(w.astype(t.dtype), shard[name]["weight"])
     out[name] = {"weight": w, **_default_slots(plan.table_optimizer(name), t.rows, t.dim)}
+    if t.id_policy == "managed":
+      out[name].update(managed.empty_map(t.rows))
   return out
 
 
@@ -46,13 +48,16 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
   state = {}
   for name, buf in plan.buffers.items():
     leaves = ["weight", *buf.optimizer.slot_names()]
+    if plan.is_managed(name):
+      leaves += list(MAP_LEAVES)
     out = {}
     for leaf in leaves:
-      if leaf == "step":
-        out[leaf] = canon[buf.tables[0]]["step"].astype(jnp.int32)
+      if leaf in ("step", "map_used"):
+        out[leaf] = canon[buf.tables[0]][leaf].astype(jnp.int32)
         continue
-      per_row = leaf == "accumulator"
-      dtype = buf.dtype if leaf == "weight" else jnp.float32
+      per_row = leaf == "accumulator" or leaf.startswith("map_")
+      dtype = (buf.dtype if leaf == "weight" else
+               jnp.int32 if leaf.startswith("map_") else jnp.float32)
       if buf.kind == "table_wise":
         block = (buf.local_rows,) if per_row else (buf.local_rows, buf.dim)
         x = tw_move.pack(plan, buf, [canon[t][leaf] for t in buf.tables], block, dtype)
@@ -60,7 +65,7 @@ def _layout(plan: EmbeddingPlan, canon: dict) -> dict:
         x = canon[buf.tables[0]][leaf].astype(dtype)
         if buf.kind == "row_wise":
           pad = [(0, buf.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-          x = jnp.pad(x, pad)
+          x = jnp.pad(x, pad, constant_values=-1 if leaf == "map_hi" else 0)
         elif buf.kind == "column_wise" and not per_row:
           x = jnp.pad(x, ((0, 0), (0, buf.shape[1] - buf.dim)))
       out[leaf] = x
@@ -86,7 +91,7 @@ def _unlayout(plan: EmbeddingPlan, state: dict) -> dict:
     for i, t in enumerate(buf.tables):
       rows, out = plan.tables[t].rows, {}
       for leaf, x in state[name].items():
-        if leaf == "step":
+        if leaf in ("step", "map_used"):
           out[leaf] = x
         elif buf.kind == "column_wise" and x.ndim == 2:
           out[leaf] = x[:, :buf.dim]
@@ -134,6 +139,7 @@ def import_state(plan: EmbeddingPlan, canonical) -> dict:
       raise ValueError(f"table {name!r}: canonical weight of shape {tuple(src['weight'].shape)},"
                        f" the plan expects {want}")
     leaves = {"weight": src["weight"]}
+    leaves.update(managed.check_canonical_map(name, t, src))
     defaults = None
     for s in plan.table_optimizer(name).slot_names():
       if s in src:

@@ -54,7 +54,8 @@ def id_stats(tables: Sequence[TableConfig], features: Sequence[FeatureConfig],
   for ids in sample:
     for f in features:
       t, a = tables[f.table], acc[f.name]
-      rows = apply_id_policy(np.asarray(ids[f.name]), t.rows, t.id_policy, f.name, t.name)
+      policy = "hash" if t.id_policy == "managed" else t.id_policy   # ~ distinct rows
+      rows = apply_id_policy(np.asarray(ids[f.name]), t.rows, policy, f.name, t.name)
       B = rows.shape[0]
       if B % num_devices:
         raise ValueError(f"batch of {B} rows does not split over {num_devices} devices")
