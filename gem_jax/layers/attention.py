@@ -45,6 +45,7 @@ FLOPs (forward, per example, matmuls only; see `attention_flops` & co):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -52,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax.layers.chunked import (Bias, bias_buckets, bias_values, chunked_attention,
+                                    segment_allowed, time_bucket)  # noqa: F401
 from gem_jax.layers.dense import Dense, lowp_einsum, param
 from gem_jax.layers.norm import LayerNorm, RMSNorm
 from gem_jax.layers.rope import apply_rope
@@ -59,18 +62,82 @@ from gem_jax.layers.rope import apply_rope
 Dtype = Any
 SCORES = ("softmax", "silu")
 MASKS = ("full", "causal", "block_local")
+IMPLS = ("auto", "dense", "chunked", "cudnn", "xla_sdpa")
 
 
-def time_bucket(delta: jax.Array, num_buckets: int) -> jax.Array:
-  """min(num_buckets - 1, floor(log2(1 + |delta|))) as int32, delta in seconds."""
-  b = jnp.floor(jnp.log2(1.0 + jnp.abs(delta.astype(jnp.float32))))
-  return jnp.clip(b, 0, num_buckets - 1).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+  """How the attention core is computed (never what it computes).
+
+  kind: 'auto' (dense up to dense_max keys, above it cuDNN on GPU where it applies,
+    else chunked), 'dense' ((Lq, Lk) scores), 'chunked' (`gem_jax.layers.chunked`,
+    memory linear in L), 'cudnn' (`jax.nn.dot_product_attention`, cuDNN; raises where it
+    does not apply), 'xla_sdpa' (the same call with implementation='xla': the cuDNN
+    route's reference, runs on CPU).
+  chunk_size: key tokens per step of the chunked path.
+  dense_max: the longest key length 'auto' computes densely.
+  Block-local attention is always block-diagonal (memory linear in L) whatever kind says.
+  """
+  kind: str = "auto"
+  chunk_size: int = 256
+  dense_max: int = 1024
+
+  def __post_init__(self):
+    if self.kind not in IMPLS:
+      raise ValueError(f"attention impl kind={self.kind!r}: expected one of {IMPLS}")
 
 
-def _time_bias(table: jax.Array, delta: jax.Array) -> jax.Array:
-  """table (NB, H), delta (..., Lq, Lk) -> bias (..., H, Lq, Lk) in fp32."""
-  bias = table.astype(jnp.float32)[time_bucket(delta, table.shape[0])]  # (..., Lq, Lk, H)
-  return jnp.moveaxis(bias, -1, -3)  # (..., H, Lq, Lk)
+def sdpa_applies(*, score: str, mask: str, recent_first: bool, Lq: int, Lk: int, dh: int,
+                 dtype: Dtype, has_bias: bool, has_segments: bool, cudnn: bool) -> bool:
+  """Whether `jax.nn.dot_product_attention` computes exactly this attention.
+
+  Softmax only; no time/position bias and no segments (they would need a (Lq, Lk) bias
+  or mask tensor); 'full', or 'causal' in chronological order (is_causal: key j <= query
+  i). Keys are masked by lengths = sum(valid), so valid must be a prefix of each row
+  (padding at the end, as in every gem_jax batch). cuDNN also needs bf16/fp16 and
+  dh % 8 == 0, dh <= 128.
+  """
+  if score != "softmax" or has_bias or has_segments:
+    return False
+  if mask not in ("full", "causal") or (mask == "causal" and (recent_first or Lq != Lk)):
+    return False
+  if cudnn and (jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or dh % 8 or dh > 128):
+    return False
+  return True
+
+
+def select_impl(impl: AttentionImpl, *, mask: str, Lk: int, platform: str | None = None,
+                **sdpa_kw) -> str:
+  """'blocked' | 'dense' | 'chunked' | 'cudnn' | 'xla_sdpa' for one call (`AttentionImpl`).
+
+  platform: jax.default_backend() by default; sdpa_kw: the arguments of `sdpa_applies`
+  except cudnn.
+  """
+  if mask == "block_local":
+    return "blocked"
+  kind = impl.kind
+  if kind in ("cudnn", "xla_sdpa"):
+    if not sdpa_applies(mask=mask, Lk=Lk, cudnn=kind == "cudnn", **sdpa_kw):
+      raise ValueError(f"impl {kind!r} does not apply to this attention "
+                       f"(mask={mask!r}, {sdpa_kw})")
+    return kind
+  if kind != "auto":
+    return kind
+  if Lk <= impl.dense_max:
+    return "dense"
+  platform = platform or jax.default_backend()
+  if platform == "gpu" and sdpa_applies(mask=mask, Lk=Lk, cudnn=True, **sdpa_kw):
+    return "cudnn"
+  return "chunked"
+
+
+def _sdpa(q, k, v, k_valid, *, causal, scale, implementation, dtype):
+  """jax.nn.dot_product_attention with key lengths sum(valid) (prefix-valid rows)."""
+  lengths = jnp.sum(k_valid, axis=1).astype(jnp.int32)  # (B,)
+  o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                   key_value_seq_lengths=lengths,
+                                   implementation=implementation)  # (B, Lq, H, dh)
+  return jnp.where((lengths > 0)[:, None, None, None], o, jnp.zeros((), o.dtype)).astype(dtype)
 
 
 def attention_weights(s: jax.Array, allowed: jax.Array, score: str, norm: float) -> jax.Array:
@@ -107,11 +174,25 @@ def _attend(q, k, v, allowed, bias, *, score, scale, norm, dtype):
   return jnp.moveaxis(o, -3, -2).astype(dtype)  # (..., Lq, H, dh)
 
 
+def _dense_allowed(b: Bias, k_valid, causal, recent_first, Lq, Lk):
+  allowed = k_valid[..., None, None, :]  # (..., 1, 1, Lk)
+  if causal:
+    i = jnp.arange(Lq)[:, None]
+    j = jnp.arange(Lk)[None, :]
+    allowed = allowed & ((j >= i) if recent_first else (j <= i))  # (..., 1, Lq, Lk)
+  seg = segment_allowed(b)
+  return allowed if seg is None else allowed & seg
+
+
 def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.Array, *,
                         score: str = "softmax", mask: str = "full", block_size: int = 64,
                         recent_first: bool = True, scale: float | None = None,
                         time_table: jax.Array | None = None, dt_q: jax.Array | None = None,
-                        dt_k: jax.Array | None = None, dtype: Dtype = None) -> jax.Array:
+                        dt_k: jax.Array | None = None, pos_table: jax.Array | None = None,
+                        pos_q: jax.Array | None = None, pos_k: jax.Array | None = None,
+                        seg_q: jax.Array | None = None, seg_k: jax.Array | None = None,
+                        norm: float | None = None, impl: AttentionImpl = AttentionImpl(),
+                        dtype: Dtype = None) -> jax.Array:
   """The attention core on projected heads (see the module docstring).
 
   Args:
@@ -122,6 +203,12 @@ def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.A
     scale: logit scale, default 1/sqrt(dh).
     time_table: (NB, H) bias table; with dt_q (B, Lq) and dt_k (B, Lk) the
       bias is table[bucket(dt_q_i - dt_k_j)]; with dt_k only, table[bucket(dt_k_j)].
+    pos_table: (P, H) bias table[min(|pos_q_i - pos_k_j|, P - 1)]; positions (B, L)
+      default to 0..L-1.
+    seg_q, seg_k: int (B, Lq), (B, Lk) segment ids: key j allowed for query i only
+      when seg_q_i == seg_k_j (packed sequences).
+    norm: N of the silu score (default: Lk, or b for 'block_local').
+    impl: how it is computed (`AttentionImpl`); every choice computes the same function.
     dtype: output dtype (default q.dtype).
   Returns:
     (B, Lq, H, dh).
@@ -132,7 +219,19 @@ def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.A
   B, Lq, H, dh = q.shape
   Lk = k.shape[1]
   scale = 1.0 / math.sqrt(dh) if scale is None else scale
-  if mask == "block_local":
+  if pos_table is not None:
+    pos_q = jnp.broadcast_to(jnp.arange(Lq), (B, Lq)) if pos_q is None else pos_q
+    pos_k = jnp.broadcast_to(jnp.arange(Lk), (B, Lk)) if pos_k is None else pos_k
+  if (seg_q is None) != (seg_k is None):
+    raise ValueError("pass both seg_q and seg_k, or neither")
+  if time_table is not None and dt_k is None:
+    raise ValueError("a time bias needs dt_k")
+  bias = Bias(time_table, dt_q, dt_k, pos_table, pos_q, pos_k, seg_q, seg_k)
+  path = select_impl(impl, mask=mask, Lk=Lk, score=score, recent_first=recent_first,
+                     Lq=Lq, dh=dh, dtype=q.dtype,
+                     has_bias=time_table is not None or pos_table is not None,
+                     has_segments=seg_q is not None)
+  if path == "blocked":
     if Lq != Lk:
       raise ValueError(f"block_local attention needs Lq == Lk, got {Lq} and {Lk}")
     b = block_size
@@ -140,30 +239,35 @@ def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_valid: jax.A
     pad = nb * b - Lk
 
     def blocks(t, fill=0):  # (B, L, ...) -> (B, nb, b, ...)
+      if t is None:
+        return None
       t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2), constant_values=fill)
       return t.reshape((B, nb, b) + t.shape[2:])
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)  # (B, nb, b, H, dh)
+    dtk = blocks(None if dt_k is None else dt_k.astype(jnp.float32))  # (B, nb, b)
+    dtq = dtk if dt_q is None else blocks(dt_q.astype(jnp.float32))
+    bb = Bias(time_table, dtq, dtk, pos_table, blocks(pos_q), blocks(pos_k), blocks(seg_q),
+              blocks(seg_k))
     allowed = blocks(k_valid, False)[:, :, None, None, :]  # (B, nb, 1, 1, b)
-    bias = None
-    if time_table is not None:
-      dkb = blocks(dt_k.astype(jnp.float32))  # (B, nb, b)
-      dqb = dkb if dt_q is None else blocks(dt_q.astype(jnp.float32))
-      bias = _time_bias(time_table, dqb[..., :, None] - dkb[..., None, :])  # (B, nb, H, b, b)
-    o = _attend(qb, kb, vb, allowed, bias, score=score, scale=scale, norm=float(b),
-                dtype=dtype)  # (B, nb, b, H, dh)
+    seg = segment_allowed(bb)
+    allowed = allowed if seg is None else allowed & seg  # (B, nb, 1, b, b)
+    bv = bias_values(bb, *bias_buckets(bb))  # (B, nb, H, b, b)
+    o = _attend(qb, kb, vb, allowed, bv, score=score, scale=scale,
+                norm=float(b) if norm is None else norm, dtype=dtype)  # (B, nb, b, H, dh)
     return o.reshape(B, nb * b, H, dh)[:, :Lq]
-  allowed = k_valid[:, None, None, :]  # (B, 1, 1, Lk)
-  if mask == "causal":
-    i = jnp.arange(Lq)[:, None]
-    j = jnp.arange(Lk)[None, :]
-    allowed = allowed & ((j >= i) if recent_first else (j <= i))  # (B, 1, Lq, Lk)
-  bias = None
-  if time_table is not None:
-    dk = dt_k.astype(jnp.float32)[:, None, :]  # (B, 1, Lk)
-    delta = dk if dt_q is None else dt_q.astype(jnp.float32)[:, :, None] - dk  # (B, Lq|1, Lk)
-    bias = _time_bias(time_table, delta)  # (B, H, Lq|1, Lk)
-  return _attend(q, k, v, allowed, bias, score=score, scale=scale, norm=float(Lk),
+  norm = float(Lk) if norm is None else norm
+  causal = mask == "causal"
+  if path == "chunked":
+    return chunked_attention(q, k, v, k_valid, bias, score=score, scale=scale, norm=norm,
+                             causal=causal, recent_first=recent_first,
+                             chunk=impl.chunk_size, dtype=dtype)  # (B, Lq, H, dh)
+  if path in ("cudnn", "xla_sdpa"):
+    return _sdpa(q, k, v, k_valid, causal=causal, scale=scale, dtype=dtype,
+                 implementation="cudnn" if path == "cudnn" else "xla")  # (B, Lq, H, dh)
+  allowed = _dense_allowed(bias, k_valid, causal, recent_first, Lq, Lk)  # (B, 1, Lq|1, Lk)
+  bv = bias_values(bias, *bias_buckets(bias))  # (B, H, Lq|1, Lk)
+  return _attend(q, k, v, allowed, bv, score=score, scale=scale, norm=norm,
                  dtype=dtype)  # (B, Lq, H, dh)
 
 
@@ -242,6 +346,7 @@ class Attention(_Heads):
       needs `dt` at call time.
     mask: 'full', 'causal' or 'block_local'; block_size: b of 'block_local'.
     recent_first: sequences are newest-first (direction of 'causal').
+    impl: how the core is computed (`AttentionImpl`: dense, chunked, cuDNN).
     dtype, param_dtype, fp8: precision policy of `Dense`.
 
   Call: (x (B, L, D), valid bool (B, L), dt (B, L) seconds or None) -> (B, L, D).
@@ -250,13 +355,15 @@ class Attention(_Heads):
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, score: str = "softmax",
                qk_norm: bool = True, rope: bool = False, time_buckets: int = 0,
                mask: str = "full", block_size: int = 64, recent_first: bool = True,
-               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False):
+               impl: AttentionImpl = AttentionImpl(), dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False):
     if mask not in MASKS:
       raise ValueError(f"mask={mask!r}: expected one of {MASKS}")
     self._init_common(d_model, num_heads, score=score, qk_norm=qk_norm,
                       time_buckets=time_buckets, dtype=dtype, param_dtype=param_dtype,
                       fp8=fp8, rngs=rngs)
     self.rope, self.mask, self.block_size, self.recent_first = rope, mask, block_size, recent_first
+    self.impl = impl
     self.qkv = Dense(d_model, 3 * d_model, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
                      kernel_axes=("embed", "heads"), rngs=rngs)
 
@@ -272,7 +379,7 @@ class Attention(_Heads):
       raise ValueError("time_buckets > 0 needs dt (B, L)")
     o = multihead_attention(q, k, v, valid, score=self.score, mask=self.mask,
                             block_size=self.block_size, recent_first=self.recent_first,
-                            time_table=self._table(), dt_q=dt, dt_k=dt,
+                            time_table=self._table(), dt_q=dt, dt_k=dt, impl=self.impl,
                             dtype=self.dtype)  # (B, L, H, dh)
     return self._project_out(o, valid)  # (B, L, D)
 
@@ -293,16 +400,19 @@ class CrossAttention(_Heads):
     score: 'softmax' (default) or the other scores of `attention_weights`.
     qk_norm: RMS-normalize q and k per head (default True).
     time_buckets: size of the learned time-bias table over age buckets (0, default: none).
+    impl: how the core is computed (`AttentionImpl`).
     dtype, param_dtype: compute / parameter dtypes (default float32).
     fp8: fp8 projections (default False).
   """
 
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, score: str = "softmax",
-               qk_norm: bool = True, time_buckets: int = 0, dtype: Dtype = jnp.float32,
+               qk_norm: bool = True, time_buckets: int = 0,
+               impl: AttentionImpl = AttentionImpl(), dtype: Dtype = jnp.float32,
                param_dtype: Dtype = jnp.float32, fp8: bool = False):
     self._init_common(d_model, num_heads, score=score, qk_norm=qk_norm,
                       time_buckets=time_buckets, dtype=dtype, param_dtype=param_dtype,
                       fp8=fp8, rngs=rngs)
+    self.impl = impl
     kw = dict(dtype=dtype, param_dtype=param_dtype, fp8=fp8, kernel_axes=("embed", "heads"),
               rngs=rngs)
     self.q_proj = Dense(d_model, d_model, **kw)
@@ -318,7 +428,7 @@ class CrossAttention(_Heads):
     if self.time_bias is not None and kv_dt is None:
       raise ValueError("time_buckets > 0 needs kv_dt (B, L)")
     o = multihead_attention(qh, kh, vh, kv_valid, score=self.score, mask="full",
-                            time_table=self._table(), dt_k=kv_dt,
+                            time_table=self._table(), dt_k=kv_dt, impl=self.impl,
                             dtype=self.dtype)  # (B, Q, H, dh)
     return self._project_out(o, None)  # (B, Q, D)
 
@@ -335,19 +445,20 @@ class PMA(nnx.Module):
   Args:
     d_model: width D.  num_seeds: k learned seeds (output tokens).
     num_heads: heads of the cross attention.  rngs: `nnx.Rngs`.
-    score, qk_norm: as in `CrossAttention` (defaults 'softmax', True).
+    score, qk_norm, impl: as in `CrossAttention` (defaults 'softmax', True, auto).
     dtype, param_dtype: compute / parameter dtypes (default float32).  fp8: default False.
   """
 
   def __init__(self, d_model: int, num_seeds: int, num_heads: int, *, rngs: nnx.Rngs,
-               score: str = "softmax", qk_norm: bool = True, dtype: Dtype = jnp.float32,
+               score: str = "softmax", qk_norm: bool = True,
+               impl: AttentionImpl = AttentionImpl(), dtype: Dtype = jnp.float32,
                param_dtype: Dtype = jnp.float32, fp8: bool = False):
     self.num_seeds, self.dtype = num_seeds, dtype
     self.seeds = param(rngs, nnx.initializers.normal(0.02), (num_seeds, d_model), param_dtype,
                        (None, "embed"))
     self.norm = LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.attn = CrossAttention(d_model, num_heads, score=score, qk_norm=qk_norm, dtype=dtype,
-                               param_dtype=param_dtype, fp8=fp8, rngs=rngs)
+    self.attn = CrossAttention(d_model, num_heads, score=score, qk_norm=qk_norm, impl=impl,
+                               dtype=dtype, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
     B = x.shape[0]
