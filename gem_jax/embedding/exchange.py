@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from gem_jax.embedding import managed
 from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
 
 DEV = P("replica", "shard")   # spec of per-device leaves (rows, ctx): (R, S, ...)
@@ -360,7 +361,12 @@ def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):
 
 
 def lookup(plan: EmbeddingPlan, state, ids, weights=None):
-  """`pool_rows(plan, *gather_rows(plan, state, ids), weights)`: {feature: embeddings}."""
+  """`pool_rows(plan, *gather_rows(plan, state, ids), weights)`: {feature: embeddings}.
+
+  Managed tables' raw ids are looked up in their maps first, without inserting
+  (`managed.resolve(..., update=False)`: an id not in the map pools as padding)."""
+  if plan.managed_tables():
+    _, ids, _ = managed.resolve(plan, state, ids, 0, update=False)
   rows, ctx = gather_rows(plan, state, ids)
   return pool_rows(plan, rows, ctx, weights)
 

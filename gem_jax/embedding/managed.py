@@ -173,8 +173,9 @@ def _fresh(t: TableConfig, key, n: int):
     return t.initializer(key, (n, t.dim), t.dtype)
 
 
-def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key):
-  """One device: (its buffer state, its ids (n, 2)) -> (state, rows (n,), counters)."""
+def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update=True):
+  """One device: (its buffer state, its ids (n, 2)) -> (state, rows (n,), counters).
+  update=False: lookups only (misses get no row, the state is returned as it is)."""
   buf = plan.buffers[plan.buffer_of[t.name]]
   K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
   shard = jax.lax.axis_index("shard")
@@ -206,6 +207,12 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key):
   hit_k = jnp.argmax(match, axis=1).astype(jnp.int32)
   wseg = jnp.cumsum(jnp.concatenate([jnp.ones((1,), bool), d_win[1:] != d_win[:-1]])) - 1
   taken = jax.ops.segment_max(match.astype(jnp.int32), wseg, N, indices_are_sorted=True)[wseg]
+  if not update:
+    glob = jnp.where(hit, shard * rps + base + hit_k, -1)
+    d_row = jax.lax.psum(glob + 1, "shard") - 1
+    row = jnp.zeros((N,), jnp.int32).at[src].set(d_row[did])
+    n = x.shape[0]
+    return st, jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), {}
   miss = mine & ~hit
   before = jnp.cumsum(miss) - miss                                         # misses before me
   rank = before - jax.ops.segment_min(before, wseg, N, indices_are_sorted=True)[wseg]
@@ -252,7 +259,7 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key):
   return out, jax.lax.dynamic_slice(row, (dev * n,), (n,)), counters
 
 
-def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key):
+def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True):
   """Managed tables' raw ids -> rows; the maps updated and new ids' rows re-initialised.
 
   Args:
@@ -261,7 +268,9 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key):
     ids: {feature: int32 (B, bag)} rows for other tables, int32 (B, bag, 2) raw-id
       halves (`split_ids`, via `prepare_ids`) for features of managed tables.
     step: int32 scalar, the step the ids are seen at (`map_last`, TTL).
-    key: PRNG key of the fresh rows (the same on every device; fold in the step).
+    key: PRNG key of the fresh rows (the same on every device; the step is folded in).
+    update: False for inference (eval, export): ids found in the map get their rows,
+      the others none (-1: zero embeddings); the state is not changed.
   Returns:
     (state, ids with every managed feature as int32 (B, bag) global rows, -1 at padding
     and at ids left without a row, {table: {counter: int32 ()}}, see the module doc).
@@ -272,7 +281,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key):
   specs = plan.state_specs()
   bufs = [plan.buffer_of[t] for t in names]
   feats = {t: [f for f, c in plan.features.items() if c.table == t] for t in names}
-  key = jax.random.fold_in(key, step)
+  key = jax.random.fold_in(jax.random.key(0) if key is None else key, step)
 
   def body(sub, raw, step, key):
     new, rows, counters = {}, {}, {}
@@ -280,7 +289,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key):
       fs = feats[t]
       x = jnp.concatenate([raw[f].reshape(-1, 2) for f in fs])             # (n, 2)
       new[bufs[i]], r, counters[t] = _resolve_table(
-          plan, plan.tables[t], sub[bufs[i]], x, step, jax.random.fold_in(key, i))
+          plan, plan.tables[t], sub[bufs[i]], x, step, jax.random.fold_in(key, i), update)
       off = 0
       for f in fs:
         b, bag = raw[f].shape[:2]
@@ -292,11 +301,30 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key):
   sub_specs = {b: specs[b] for b in bufs}
   in_specs = (sub_specs, {f: P(BATCH, None, None) for f in mfeats}, P(), P())
   out_specs = (sub_specs, {f: P(BATCH, None) for f in mfeats},
-               {t: {c: P() for c in COUNTERS} for t in names})
+               {t: {c: P() for c in COUNTERS} if update else {} for t in names})
   # check_vma=False: the maps and counters are replicated over 'replica' (and the counters
   # over 'shard') by construction: every device resolves the same global ids.
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   sub, rows, counters = fn({b: state[b] for b in bufs}, {f: ids[f] for f in mfeats},
                            jnp.asarray(step, jnp.int32), key)
+  if not update:
+    return state, {**ids, **rows}, {}
   return {**state, **sub}, {**ids, **rows}, counters
+
+
+def step_metrics(plan: EmbeddingPlan, counters: dict) -> dict:
+  """Float32 metrics of `resolve`'s counters: per table `mc_<counter>/<table>` (ids, hits,
+  inserts, evictions, expired, collisions per step) and `mc_occupancy/<table>` (used /
+  rows); over all managed tables `mc_hit_rate` (hits / ids) and `mc_collisions`."""
+  out = {}
+  for t, c in counters.items():
+    for k in COUNTERS[:-1]:
+      out[f"mc_{k}/{t}"] = c[k].astype(jnp.float32)
+    out[f"mc_occupancy/{t}"] = c["used"].astype(jnp.float32) / plan.tables[t].rows
+  if counters:
+    ids = sum(c["ids"] for c in counters.values())
+    out["mc_hit_rate"] = (sum(c["hits"] for c in counters.values()).astype(jnp.float32)
+                          / jnp.maximum(ids, 1).astype(jnp.float32))
+    out["mc_collisions"] = sum(c["collisions"] for c in counters.values()).astype(jnp.float32)
+  return out

@@ -125,7 +125,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   pc, pi = jax.process_count(), jax.process_index()
   train_it = s.train_src.batches(batch_size, process_index=pi, process_count=pc,
                                  seed=config.seed, repeat=True, state=data_state)
-  hashed = any(t.id_policy != "error" for t in s.plan.tables.values())
+  hashed = any(t.id_policy in ("hash", "clip") for t in s.plan.tables.values())
   collisions = (report.IdCollisions()
                 if hashed and config.train.id_collision_metrics else None)
   batches = pipeline.Prefetcher(train_it, put_fn=setup_lib.device_putter(s.plan, s.mesh,
@@ -150,7 +150,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                timing.compile_s)
 
   profiler = report.Profiler(workdir, config.train.profile_steps)
-  progress = report.Progress(steps, initial=step)
+  progress = report.Progress(steps, initial=step, keys=report.PROGRESS_KEYS + (
+      ("mc_hit_rate", "mc_collisions") if s.plan.managed_tables() else ()))
   watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
   summary, last, running, n_log, worse = {}, {}, None, 0, {}
   t_log = time.perf_counter()

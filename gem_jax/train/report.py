@@ -115,6 +115,9 @@ def _hms(seconds: float) -> str:
   return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+PROGRESS_KEYS = ("train_loss", "eval_auc", "examples_per_s", "mfu")
+
+
 class Progress:
   """Progress of `total` steps with ETA: tqdm on a TTY, plain lines otherwise.
 
@@ -128,7 +131,7 @@ class Progress:
   """
 
   def __init__(self, total: int, initial: int = 0, *,
-               keys: Sequence[str] = ("train_loss", "eval_auc", "examples_per_s", "mfu"),
+               keys: Sequence[str] = PROGRESS_KEYS,
                stream=None, tty: bool | None = None, enabled: bool | None = None):
     self.total, self.initial, self.keys = int(total), int(initial), tuple(keys)
     self.stream = sys.stderr if stream is None else stream

@@ -70,10 +70,21 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
       opt = (emb_lib.SparseOptimizerConfig(kind=o.get("optimizer", emb_cfg.optimizer),
                                            lr=float(o.get("lr", emb_cfg.lr)))
              if "optimizer" in o or "lr" in o else None)
-      tables.append(emb_lib.TableConfig(f.name, rows=f.vocab, dim=int(o.get("dim", emb_cfg.dim)),
-                                        dtype=jnp.dtype(o.get("dtype", "float32")),
-                                        sharding=emb_cfg.sharding, id_policy=emb_cfg.id_policy,
-                                        vocab=f.vocab, optimizer=opt))
+      policy = o.get("id_policy", emb_cfg.id_policy)
+      rows = int(o.get("rows", f.vocab))
+      managed = {}
+      if policy == "managed":   # rows rounded up to whole probe windows
+        managed = {k: o[k] for k in ("eviction", "ttl_steps", "probe") if k in o}
+        probe = managed.get("probe", emb_lib.TableConfig.probe)
+        rows = -(-rows // probe) * probe
+      sharding = "auto" if policy == "managed" else emb_cfg.sharding
+      try:
+        tables.append(emb_lib.TableConfig(
+            f.name, rows=rows, dim=int(o.get("dim", emb_cfg.dim)),
+            dtype=jnp.dtype(o.get("dtype", "float32")), sharding=sharding, id_policy=policy,
+            vocab=f.vocab, optimizer=opt, **managed))
+      except ValueError as e:
+        raise ConfigError(f"embedding.per_table: {e}") from None
     if f.name in seq_len:
       features.append(emb_lib.FeatureConfig(f.name, table, bag=seq_len[f.name], pooling="none"))
     else:
@@ -81,7 +92,8 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
   return tables, features
 
 
-PER_TABLE_KEYS = {"dim": int, "dtype": str, "optimizer": str, "lr": float}
+PER_TABLE_KEYS = {"dim": int, "dtype": str, "optimizer": str, "lr": float, "rows": int,
+                  "id_policy": str, "eviction": str, "ttl_steps": int, "probe": int}
 TABLE_DTYPES = ("float32", "bfloat16")
 
 
@@ -92,8 +104,11 @@ def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
   globs over the table (feature) names; later rules win. Example:
   'C1|C2: dim=64, optimizer=adam, lr=0.001; hist_*: dtype=bfloat16'. Keys: dim, dtype
   (float32 | bfloat16: storage; optimizer state stays fp32), optimizer
-  (rowwise_adagrad | sgd | adam), lr. A pattern matching no table, an unknown key or
-  value: ConfigError.
+  (rowwise_adagrad | sgd | adam), lr, rows (default: the feature's vocab), id_policy
+  (hash | error | clip | managed) and for managed tables eviction (lru | lfu), ttl_steps,
+  probe (rows rounded up to whole probe windows), e.g. 'user_id: id_policy=managed,
+  rows=65536, eviction=lfu, ttl_steps=1000'. A pattern matching no table, an unknown
+  key or value: ConfigError.
   """
   spec = (getattr(emb_cfg, "per_table", "") or "").strip()
   out: dict[str, dict] = {}
@@ -118,6 +133,16 @@ def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
     if values.get("optimizer", "sgd") not in emb_lib.config.OPTIMIZERS:
       raise ConfigError(f"embedding.per_table: optimizer={values['optimizer']!r} not in "
                         f"{emb_lib.config.OPTIMIZERS}")
+    if values.get("id_policy", "hash") not in emb_lib.config.ID_POLICIES:
+      raise ConfigError(f"embedding.per_table: id_policy={values['id_policy']!r} not in "
+                        f"{emb_lib.config.ID_POLICIES}")
+    if values.get("eviction", "lru") not in emb_lib.config.EVICTIONS:
+      raise ConfigError(f"embedding.per_table: eviction={values['eviction']!r} not in "
+                        f"{emb_lib.config.EVICTIONS}")
+    if (values.get("rows", 1) <= 0 or values.get("probe", 1) <= 0
+        or values.get("ttl_steps", 0) < 0):
+      raise ConfigError(f"embedding.per_table: rule {rule!r}: rows and probe must be positive, "
+                        "ttl_steps >= 0")
     if values.get("dim", 1) <= 0 or values.get("lr", 1.0) <= 0:
       raise ConfigError(f"embedding.per_table: rule {rule!r}: dim and lr must be positive")
     for pat in (p.strip() for p in pats.split("|")):

@@ -10,6 +10,11 @@ Per step, for a global batch B split over ('replica', 'shard'):
   params    = AdamW(clip(g_params))                dense, fp32 master weights
   emb       = apply_sparse_updates(plan, emb, ctx, g_rows, lr=sparse_lr(step))
 
+Managed-collision tables (id_policy='managed') map their raw ids to rows first
+(`embedding.managed.resolve`: the maps, held in `emb`, are updated in the step); their
+counters come back as `mc_*` metrics. A step the non-finite guard skips still records
+its ids in the maps (their rows are fresh then, a valid state).
+
 The same step trains the knowledge-transfer student (gem_jax/transfer/step.py):
 its own `loss_fn` (distillation terms), a `trainable` mask (frozen dense blocks:
 zero gradients and updates) and `frozen` embedding rows. `skip_nonfinite=True`
@@ -218,7 +223,10 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
   plan = cfg.plan
   if inject_nan_step:
     batch = nonfinite.inject_nan(batch, state.step + 1 == inject_nan_step)
-  rows, ctx = emb_lib.gather_rows(plan, state.emb, batch["ids"])
+  # Managed tables: raw ids -> rows through their maps (updated, new rows re-initialised).
+  emb_state, ids, mc = emb_lib.managed.resolve(plan, state.emb, batch["ids"], state.step,
+                                               jax.random.wrap_key_data(state.rng))
+  rows, ctx = emb_lib.gather_rows(plan, emb_state, ids)
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
   with sharding.activation_sharding(plan.mesh):
     loss, terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch),
@@ -240,7 +248,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
     params, opt_state = nonfinite.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
     opt_state = nonfinite.count_skipped(opt_state, ~ok)
   sparse_lr = cfg.sparse_lr(state.step)
-  new_emb = emb_lib.apply_sparse_updates(plan, state.emb, ctx, g_rows, lr=sparse_lr, enabled=ok,
+  new_emb = emb_lib.apply_sparse_updates(plan, emb_state, ctx, g_rows, lr=sparse_lr, enabled=ok,
                                          frozen=frozen)
   rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
 
@@ -252,6 +260,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
       "sparse_lr": jnp.asarray(sparse_lr, jnp.float32),
       "labels_observed": jnp.sum(batch["label_mask"]),
   }
+  metrics.update(emb_lib.managed.step_metrics(plan, mc))
   if skip_nonfinite:
     metrics = nonfinite.flagged_metrics(metrics, *flags)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=new_emb,
