@@ -273,3 +273,26 @@ def test_interformer_flops_per_stream():
   assert interformer_flops(n, [10, 3], d) == x_part + b[0] + b[1]
   assert b[1] == (4 * 4 * d * d + 4 * 3 * 4 * d + 8 * 7 * d * d + 4 * 7 * 7 * d
                   + (4 * 2 * d * d + 4 * 3 * d * d + 4 * 2 * 3 * d) + 4 * 8 * d * d)
+
+
+def test_hstu_sequence_layer_chunked_equals_dense_and_padding():
+  """seq_layer='hstu': the branch's sublayer is HSTU; chunked == dense; padding invariant."""
+  from gem_jax.layers.attention import AttentionImpl
+  bd = randomize_params(_block(seq_layer="hstu", impl=AttentionImpl("dense")))
+  bc = _block(seq_layer="hstu", impl=AttentionImpl("chunked", chunk_size=4))
+  nnx.update(bc, nnx.state(bd, nnx.Param))
+  assert bd.branches[0].attn is None and bd.branches[0].hstu is not None
+  x, s, valid, dt = _inputs()
+  out_d, out_c = bd(x, s, valid, dt), bc(x, s, valid, dt)
+  v = np.asarray(valid)
+  for i, (a, b) in enumerate(zip(out_d, out_c)):
+    a, b = np.asarray(a), np.asarray(b)
+    if i == 1:
+      a, b = a[v], b[v]
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")
+  s2, dt2 = scramble_padding(valid, s, dt)
+  out2 = bc(x, s2, valid, dt2)
+  np.testing.assert_allclose(np.asarray(out2[3]), np.asarray(out_c[3]), atol=1e-6)
+  base = interformer_flops(N_X, 10, D, mask="causal")
+  hstu = interformer_flops(N_X, 10, D, mask="causal", seq_layer="hstu")
+  assert hstu - base == 2 * (4 + 10) * D * D  # HSTU: 10 L D^2 vs attention's 8 L D^2

@@ -154,3 +154,25 @@ def test_sequence_block_and_pyramid_flops_match_xla():
   # 'pma' adds the two PMA reductions; 'recent' never runs a stage longer than its input.
   assert pyramid_flops(100, d, (128, 64), "recent", 4) == \
       sequence_block_flops(100, d, 4) + sequence_block_flops(64, d, 4)
+
+
+def test_hstu_layer_option_of_the_pyramid():
+  """layer='hstu': HSTU blocks (no FFN), chunked == dense, padding invariant, FLOPs count."""
+  from gem_jax.layers.attention import AttentionImpl
+  kw = dict(layer="hstu", mask="causal", time_buckets=10, rngs=nnx.Rngs(0))
+  sd = PyramidStack(1, D, H, (10, 4), "recent", 2, impl=AttentionImpl("dense"), **kw)
+  sc = PyramidStack(1, D, H, (10, 4), "recent", 2,
+                    impl=AttentionImpl("chunked", chunk_size=4), **kw)
+  randomize_params(sd)
+  nnx.update(sc, nnx.state(sd, nnx.Param))
+  x, valid, dt = inputs()
+  y = jax.jit(lambda x, dt: sd([(x, valid, dt)]))(x, dt)
+  assert y.shape == (3, 2, D)
+  np.testing.assert_allclose(np.asarray(sc([(x, valid, dt)])), np.asarray(y), rtol=1e-5,
+                             atol=1e-5)
+  x2, dt2 = scramble_padding(valid, x, dt)
+  np.testing.assert_allclose(np.asarray(sd([(x2, valid, dt2)])), np.asarray(y), atol=1e-6)
+  assert pyramid_flops(10, D, (10, 4), layer="hstu") == \
+      10 * 10 * D * D + 4 * 10 * 10 * D + 10 * 4 * D * D + 4 * 4 * 4 * D
+  with pytest.raises(ValueError, match="not options of the HSTU layer"):
+    PyramidStack(1, D, H, (10,), layer="hstu", rope=True, rngs=nnx.Rngs(0))

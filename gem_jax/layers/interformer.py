@@ -22,7 +22,10 @@ Sequence arch (per stream i, branch weights _i):
   U_i = PFFN_i(X_sum, S_i)
   [S_CLS,i ; S'_i] = [C_i ; U_i] + Attention_i(LN_i([C_i ; U_i]), [1 ; valid_i], [0 ; dt_i])
     (C_i: the learned CLS tokens, dt = 0 "now"; any score/mask/RoPE/time-bias
-    variant of `Attention`). For mask='causal' with newest-first order the
+    variant of `Attention`). With seq_layer='hstu' the attention sublayer is an HSTU
+    layer instead: [S_CLS,i ; S'_i] = HSTU_i([C_i ; U_i], [1 ; valid_i], [0 ; dt_i])
+    (`gem_jax.layers.hstu`, its own residual and norms; score, RoPE and QK-norm then
+    apply to the PMA only). For mask='causal' with newest-first order the
     CLS tokens see every event and no event sees them; for 'block_local' they
     sit in the first block.
   PFFN(X_sum, S) = S + gelu(LN(S) K^T / sqrt(D)) V,  K = X_sum W_k, V = X_sum W_v
@@ -54,12 +57,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.layers.attention import PMA, Attention, attention_flops, pma_flops
+from gem_jax.layers.attention import PMA, Attention, AttentionImpl, attention_flops, pma_flops
 from gem_jax.layers.dense import Dense, lowp_einsum, param
+from gem_jax.layers.hstu import HSTU, hstu_flops
 from gem_jax.layers.norm import LayerNorm
 from gem_jax.layers.sequence import remat_call
 
 Dtype = Any
+SEQ_LAYERS = ("attention", "hstu")
 
 
 class Gating(nnx.Module):
@@ -121,17 +126,19 @@ class PFFN(nnx.Module):
 
 def sequence_branch_flops(L: int, d_model: int, *, num_x_summary: int = 4, num_cls: int = 4,
                           num_pma: int = 2, num_recent: int = 2, mask: str = "full",
-                          block_size: int = 64, gating_hidden: int | None = None) -> int:
+                          block_size: int = 64, gating_hidden: int | None = None,
+                          seq_layer: str = "attention") -> int:
   """Forward FLOPs of one SequenceBranch on a stream of L events.
 
-  PFFN: 4 m D^2 + 4 L m D; attention over c + L tokens; PMA over L tokens;
+  PFFN: 4 m D^2 + 4 L m D; attention (or HSTU) over c + L tokens; PMA over L tokens;
   S_sum gating: 4 (c + p + r) D h.
   """
   D, m = d_model, num_x_summary
   h = gating_hidden or D
   n_s = num_cls + num_pma + num_recent
+  seq = hstu_flops if seq_layer == "hstu" else attention_flops
   return (4 * m * D * D + 4 * L * m * D
-          + attention_flops(num_cls + L, D, mask=mask, block_size=block_size)
+          + seq(num_cls + L, D, mask=mask, block_size=block_size)
           + (pma_flops(L, num_pma, D) if num_pma else 0)
           + 4 * n_s * D * h)
 
@@ -139,7 +146,7 @@ def sequence_branch_flops(L: int, d_model: int, *, num_x_summary: int = 4, num_c
 def interformer_flops(n: int, L: int | Sequence[int], d_model: int, *, num_x_summary: int = 4,
                       num_cls: int = 4, num_pma: int = 2, num_recent: int = 2,
                       mask: str = "full", block_size: int = 64,
-                      gating_hidden: int | None = None) -> int:
+                      gating_hidden: int | None = None, seq_layer: str = "attention") -> int:
   """Forward FLOPs of one InterFormerBlock, excluding the injected interaction module.
 
   L: the stream length, or one length per stream (one branch each).
@@ -152,7 +159,8 @@ def interformer_flops(n: int, L: int | Sequence[int], d_model: int, *, num_x_sum
   return (2 * m * n * D + 4 * m * D * D + 4 * m * D * h
           + sum(sequence_branch_flops(l, D, num_x_summary=m, num_cls=num_cls, num_pma=num_pma,
                                       num_recent=num_recent, mask=mask, block_size=block_size,
-                                      gating_hidden=gating_hidden) for l in lengths))
+                                      gating_hidden=gating_hidden, seq_layer=seq_layer)
+                for l in lengths))
 
 
 class SequenceBranch(nnx.Module):
@@ -169,8 +177,11 @@ class SequenceBranch(nnx.Module):
                score: str = "softmax", mask: str = "full", block_size: int = 64,
                rope: bool = False, time_buckets: int = 0, qk_norm: bool = True,
                recent_first: bool = True, gating_hidden: int | None = None,
+               seq_layer: str = "attention", impl: AttentionImpl = AttentionImpl(),
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
                remat: str | None = None):
+    if seq_layer not in SEQ_LAYERS:
+      raise ValueError(f"seq_layer={seq_layer!r}: expected one of {SEQ_LAYERS}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.num_cls, self.num_recent = num_cls, num_recent
     self.n_s_summary = num_cls + num_pma + num_recent
@@ -179,13 +190,20 @@ class SequenceBranch(nnx.Module):
     self.pffn = PFFN(d_model, num_x_summary, fp8=fp8, **kw)
     self.cls = (param(rngs, nnx.initializers.normal(0.02), (num_cls, d_model), param_dtype,
                       (None, "embed")) if num_cls else None)
-    self.attn_norm = LayerNorm(d_model, **kw)
-    self.attn = Attention(d_model, num_heads, score=score, qk_norm=qk_norm, rope=rope,
-                          time_buckets=time_buckets, mask=mask, block_size=block_size,
-                          recent_first=recent_first, fp8=fp8, **kw)
+    if seq_layer == "hstu":
+      self.attn_norm = self.attn = None
+      self.hstu = HSTU(d_model, num_heads, mask=mask, block_size=block_size,
+                       recent_first=recent_first, time_buckets=time_buckets, impl=impl,
+                       fp8=fp8, **kw)
+    else:
+      self.hstu = None
+      self.attn_norm = LayerNorm(d_model, **kw)
+      self.attn = Attention(d_model, num_heads, score=score, qk_norm=qk_norm, rope=rope,
+                            time_buckets=time_buckets, mask=mask, block_size=block_size,
+                            recent_first=recent_first, impl=impl, fp8=fp8, **kw)
     # Cross arch, this stream's summary.
-    self.pma = PMA(d_model, num_pma, num_heads, score=score, qk_norm=qk_norm, fp8=fp8,
-                   **kw) if num_pma else None
+    self.pma = PMA(d_model, num_pma, num_heads, score=score, qk_norm=qk_norm, impl=impl,
+                   fp8=fp8, **kw) if num_pma else None
     self.s_norm = LayerNorm(d_model, **kw)
     self.s_gate = Gating(d_model, hidden=gating_hidden, fp8=fp8, **kw)
 
@@ -203,7 +221,10 @@ class SequenceBranch(nnx.Module):
       valid = jnp.concatenate([jnp.ones((B, c), bool), valid], axis=1)  # (B, c + L)
       if dt is not None:
         dt = jnp.concatenate([jnp.zeros((B, c), jnp.float32), dt.astype(jnp.float32)], axis=1)
-    u = u + self.attn(self.attn_norm(u), valid, dt)  # (B, c + L, D)
+    if self.hstu is not None:
+      u = self.hstu(u, valid, dt if self.hstu.time_bias is not None else None)  # (B, c + L, D)
+    else:
+      u = u + self.attn(self.attn_norm(u), valid, dt)  # (B, c + L, D)
     return u[:, :c], u[:, c:]
 
   def summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
@@ -248,6 +269,8 @@ class InterFormerBlock(nnx.Module):
     score, mask, block_size, rope, time_buckets, qk_norm, recent_first: the
       sequence attention (`Attention`), the same for every branch.
     gating_hidden: hidden width of the Gating MLPs (default D).
+    seq_layer: 'attention' (default) or 'hstu' (the sequence arch's sublayer).
+    impl: how the attention cores are computed (`AttentionImpl`: dense / chunked / cuDNN).
     dtype, param_dtype, fp8: precision policy.  remat: checkpointing of each
       branch's sequence arch (None, 'full', 'dots').
 
@@ -264,6 +287,7 @@ class InterFormerBlock(nnx.Module):
                mask: str = "full", block_size: int = 64, rope: bool = False,
                time_buckets: int = 0, qk_norm: bool = True, recent_first: bool = True,
                gating_hidden: int | None = None, n_out_tokens: int | None = None,
+               seq_layer: str = "attention", impl: AttentionImpl = AttentionImpl(),
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
                remat: str | None = None):
     if num_streams < 1:
@@ -284,8 +308,8 @@ class InterFormerBlock(nnx.Module):
         SequenceBranch(d_model, num_heads, num_x_summary, num_cls=num_cls, num_pma=num_pma,
                        num_recent=num_recent, score=score, mask=mask, block_size=block_size,
                        rope=rope, time_buckets=time_buckets, qk_norm=qk_norm,
-                       recent_first=recent_first, gating_hidden=gating_hidden, fp8=fp8,
-                       remat=remat, **kw)
+                       recent_first=recent_first, gating_hidden=gating_hidden,
+                       seq_layer=seq_layer, impl=impl, fp8=fp8, remat=remat, **kw)
         for _ in range(num_streams)])
     # Interaction arch.
     self.interaction = interaction

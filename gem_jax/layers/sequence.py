@@ -4,6 +4,8 @@ SequenceBlock (pre-norm transformer block on a jagged sequence):
   x = x + Attention(LN(x), valid, dt)
   x = x + W_2 gelu(W_1 LN(x))              W_1: (D, e D), W_2: (e D, D)
 FLOPs: attention_flops(L, D, mask, b) + 4 e L D^2.
+With layer='hstu' the stack's blocks are HSTU layers instead
+(`gem_jax.layers.hstu.HSTU`: y = x + W_2(LN(A V) * U), no FFN; FLOPs `hstu_flops`).
 
 PyramidStack [proposal, GEM.md §3.2]: one branch per event stream, branches
 independent (parallel). Branch with stage_lengths (L_0, L_1, ..., L_{S-1}):
@@ -30,14 +32,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.layers.attention import PMA, Attention, attention_flops, pma_flops
+from gem_jax.layers.attention import PMA, Attention, AttentionImpl, attention_flops, pma_flops
 from gem_jax.layers.dense import Dense
+from gem_jax.layers.hstu import HSTU, hstu_flops
 from gem_jax.layers.mlp import REMAT_POLICIES  # noqa: F401  (re-exported)
 from gem_jax.layers.mlp import checkpoint_call as remat_call
 from gem_jax.layers.norm import LayerNorm
 
 Dtype = Any
 REDUCTIONS = ("recent", "pma")
+LAYERS = ("transformer", "hstu")
+HSTU_OPTIONS = ("mask", "block_size", "recent_first", "time_buckets", "impl", "remat")
 
 
 class FeedForward(nnx.Module):
@@ -70,7 +75,7 @@ class SequenceBlock(nnx.Module):
 
   Args:
     d_model, num_heads, ffn_mult: D, H and the FFN expansion e.
-    score, mask, block_size, rope, time_buckets, qk_norm, recent_first: see
+    score, mask, block_size, rope, time_buckets, qk_norm, recent_first, impl: see
       `gem_jax.layers.attention.Attention`.
     dtype, param_dtype, fp8: precision policy; the residual stream is kept
       in `dtype`.
@@ -82,14 +87,15 @@ class SequenceBlock(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, ffn_mult: int = 4, *, rngs: nnx.Rngs,
                score: str = "softmax", mask: str = "full", block_size: int = 64,
                rope: bool = False, time_buckets: int = 0, qk_norm: bool = True,
-               recent_first: bool = True, dtype: Dtype = jnp.float32,
-               param_dtype: Dtype = jnp.float32, fp8: bool = False, remat: str | None = None):
+               recent_first: bool = True, impl: AttentionImpl = AttentionImpl(),
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32, fp8: bool = False,
+               remat: str | None = None):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dtype, self.remat = dtype, remat
     self.norm1 = LayerNorm(d_model, **kw)
     self.attn = Attention(d_model, num_heads, score=score, qk_norm=qk_norm, rope=rope,
                           time_buckets=time_buckets, mask=mask, block_size=block_size,
-                          recent_first=recent_first, fp8=fp8, **kw)
+                          recent_first=recent_first, impl=impl, fp8=fp8, **kw)
     self.norm2 = LayerNorm(d_model, **kw)
     self.ffn = FeedForward(d_model, ffn_mult, fp8=fp8, **kw)
 
@@ -100,6 +106,40 @@ class SequenceBlock(nnx.Module):
 
   def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None) -> jax.Array:
     return remat_call(type(self)._forward, self.remat, self, x, valid, dt)
+
+
+class HSTUBlock(nnx.Module):
+  """`HSTU` with the stack's call signature and activation checkpointing.
+
+  Args: d_model, num_heads, mask, block_size, recent_first, time_buckets, impl,
+  dtype, param_dtype, fp8 (see `HSTU`); remat: None, 'full' or 'dots'.
+  Call: (x (B, L, D), valid bool (B, L), dt (B, L) or None) -> (B, L, D).
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, remat: str | None = None,
+               **hstu_kw):
+    self.remat = remat
+    self.layer = HSTU(d_model, num_heads, rngs=rngs, **hstu_kw)
+
+  def _forward(self, x, valid, dt):
+    return self.layer(x, valid, dt if self.layer.time_bias is not None else None)
+
+  def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None) -> jax.Array:
+    return remat_call(type(self)._forward, self.remat, self, x, valid, dt)
+
+
+def make_block(layer: str, d_model: int, num_heads: int, ffn_mult: int, *, rngs: nnx.Rngs,
+               **kw) -> nnx.Module:
+  """A 'transformer' `SequenceBlock` or an 'hstu' `HSTUBlock` (HSTU takes HSTU_OPTIONS only)."""
+  if layer == "transformer":
+    return SequenceBlock(d_model, num_heads, ffn_mult, rngs=rngs, **kw)
+  if layer != "hstu":
+    raise ValueError(f"layer={layer!r}: expected one of {LAYERS}")
+  prec = {k: kw.pop(k) for k in ("dtype", "param_dtype", "fp8") if k in kw}
+  bad = sorted(set(kw) - set(HSTU_OPTIONS))
+  if bad:
+    raise ValueError(f"{bad} are not options of the HSTU layer (it takes {HSTU_OPTIONS})")
+  return HSTUBlock(d_model, num_heads, rngs=rngs, **prec, **kw)
 
 
 def _keep_recent(x, valid, dt, n, pad_to_n):
@@ -123,17 +163,18 @@ class PyramidBranch(nnx.Module):
     stage_lengths: tokens kept after each stage, non-increasing, e.g. (64, 16).
     reduce: 'recent' (default: keep the most recent tokens) or 'pma' (pool onto seeds).
     num_summary: output tokens (default 4).  rngs: `nnx.Rngs`.
-    blocks_per_stage: `SequenceBlock`s per stage (default 1).  ffn_mult: default 4.
+    blocks_per_stage: blocks per stage (default 1).  ffn_mult: default 4.
+    layer: 'transformer' (`SequenceBlock`, default) or 'hstu' (`HSTUBlock`, no FFN).
     pma_heads: heads of the PMA reductions (default None: num_heads).
     dtype, param_dtype: default float32.  fp8: default False.
-    **block_kw: passed to every `SequenceBlock` (score, mask, rope, ...).
+    **block_kw: passed to every block (score, mask, rope, impl, ...).
   """
 
   def __init__(self, d_model: int, num_heads: int, stage_lengths: Sequence[int],
                reduce: str = "recent", num_summary: int = 4, *, rngs: nnx.Rngs,
-               blocks_per_stage: int = 1, ffn_mult: int = 4, pma_heads: int | None = None,
-               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               fp8: bool = False, **block_kw):
+               blocks_per_stage: int = 1, ffn_mult: int = 4, layer: str = "transformer",
+               pma_heads: int | None = None, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32, fp8: bool = False, **block_kw):
     if reduce not in REDUCTIONS:
       raise ValueError(f"reduce={reduce!r}: expected one of {REDUCTIONS}")
     if not stage_lengths or list(stage_lengths) != sorted(stage_lengths, reverse=True):
@@ -142,14 +183,15 @@ class PyramidBranch(nnx.Module):
     self.num_summary, self.dtype = num_summary, dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.stages = nnx.List([
-        nnx.List([SequenceBlock(d_model, num_heads, ffn_mult, fp8=fp8, **block_kw, **kw)
+        nnx.List([make_block(layer, d_model, num_heads, ffn_mult, fp8=fp8, **block_kw, **kw)
                   for _ in range(blocks_per_stage)])
         for _ in stage_lengths])
     # PMA reducers: into stage 1..S-1, then into the summary.
     targets = list(self.stage_lengths[1:]) + [num_summary]
     self.pmas = nnx.List([
         PMA(d_model, n, pma_heads or num_heads, score=block_kw.get("score", "softmax"),
-            fp8=fp8, **kw) for n in targets] if reduce == "pma" else [])
+            impl=block_kw.get("impl", AttentionImpl()), fp8=fp8, **kw)
+        for n in targets] if reduce == "pma" else [])
     self.final_norm = LayerNorm(d_model, **kw)
 
   def _reduce(self, i, x, valid, dt, n):
@@ -183,9 +225,9 @@ class PyramidStack(nnx.Module):
     stage_lengths: (L_0, L_1, ...) non-increasing token counts of the stages.
     reduce: 'recent' or 'pma' (between stages and into the summary).
     num_summary: k summary tokens per branch.
-    blocks_per_stage, ffn_mult, score, mask, block_size, rope, time_buckets,
-    qk_norm, recent_first, dtype, param_dtype, fp8, remat: passed to every
-      SequenceBlock (and PMA).
+    blocks_per_stage, ffn_mult, layer, score, mask, block_size, rope, time_buckets,
+    qk_norm, recent_first, impl, dtype, param_dtype, fp8, remat: passed to every
+      block (and PMA); see `PyramidBranch`.
 
   Call: (streams: list of (x (B, L_i, D), valid bool (B, L_i), dt (B, L_i) or None))
   -> (B, num_streams * num_summary, D).
@@ -209,17 +251,22 @@ class PyramidStack(nnx.Module):
 
 def pyramid_flops(L: int, d_model: int, stage_lengths: Sequence[int], reduce: str = "recent",
                   num_summary: int = 4, *, blocks_per_stage: int = 1, ffn_mult: int = 4,
-                  mask: str = "full", block_size: int = 64) -> int:
+                  mask: str = "full", block_size: int = 64, layer: str = "transformer") -> int:
   """Forward FLOPs of one PyramidBranch on an input of L tokens (sum over branches yourself).
 
-  sum_s blocks_per_stage * sequence_block_flops(L_s) + (for 'pma') the PMA
-  reductions pma_flops(L_s, L_{s+1}) and pma_flops(L_last, k); 'recent' costs 0.
+  sum_s blocks_per_stage * block FLOPs(L_s) (`sequence_block_flops`, or `hstu_flops`
+  for layer='hstu') + (for 'pma') the PMA reductions pma_flops(L_s, L_{s+1}) and
+  pma_flops(L_last, k); 'recent' costs 0.
   """
   lengths = [min(L, stage_lengths[0])]
   for n in stage_lengths[1:]:
     lengths.append(n if reduce == "pma" else min(n, lengths[-1]))
-  total = sum(blocks_per_stage * sequence_block_flops(n, d_model, ffn_mult, mask=mask,
-                                                      block_size=block_size) for n in lengths)
+  def block(n):
+    if layer == "hstu":
+      return hstu_flops(n, d_model, mask=mask, block_size=block_size)
+    return sequence_block_flops(n, d_model, ffn_mult, mask=mask, block_size=block_size)
+
+  total = sum(blocks_per_stage * block(n) for n in lengths)
   if reduce == "pma":
     targets = list(stage_lengths[1:]) + [num_summary]
     total += sum(pma_flops(n, t, d_model) for n, t in zip(lengths, targets))
