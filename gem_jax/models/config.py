@@ -52,6 +52,11 @@ class GEMConfig:
     num_cls, num_pma, num_recent: sequence summary tokens (InterFormer cross arch).
     num_x_summary: non-sequence summary tokens X_sum (InterFormer cross arch).
     num_queries: candidate (target) tokens for the final target-aware cross attention.
+    seq_layer: the InterFormer branches' sequence sublayer, 'attention' or 'hstu' (the HSTU
+      layer, GEM.md 3.2).
+    attn_impl, attn_chunk, attn_dense_max: how attention is computed (`AttentionImpl`:
+      'auto' is dense up to attn_dense_max keys, above it chunked in attn_chunk-key steps
+      with memory linear in L, or cuDNN on GPU where it applies; same results).
   Heads:
     head_kind ('towers'|'mmoe'), head_hidden, num_experts, expert_hidden, trunk_hidden.
   DLRM / DCNv2 baselines:
@@ -88,6 +93,10 @@ class GEMConfig:
   num_recent: int = 2
   num_x_summary: int = 4
   num_queries: int = 2
+  seq_layer: str = "attention"
+  attn_impl: str = "auto"
+  attn_chunk: int = 256
+  attn_dense_max: int = 1024
   head_kind: str = "towers"
   head_hidden: tuple[int, ...] = (16,)
   num_experts: int = 4

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.data.spec import DataSpec
-from gem_jax.layers.attention import CrossAttention
+from gem_jax.layers.attention import AttentionImpl, CrossAttention
 from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.features import DenseTokenizer, SequenceEmbedder, SparseProjector
 from gem_jax.layers.heads import MultiTaskHeads
@@ -113,6 +113,7 @@ class GEM(nnx.Module):
     self.stream_emb = param(rngs, emb, (max(len(self.streams), 1), d), cfg.params_dtype,
                             (None, "embed"))
     # Interleaved blocks.
+    impl = AttentionImpl(cfg.attn_impl, cfg.attn_chunk, cfg.attn_dense_max)
     blocks = []
     for l in range(cfg.num_blocks):
       n_in = n0 if (l == 0 and not cfg.token_mix) else n
@@ -124,7 +125,8 @@ class GEM(nnx.Module):
           num_streams=k, num_cls=cfg.num_cls,
           num_pma=cfg.num_pma, num_recent=cfg.num_recent, num_x_summary=cfg.num_x_summary,
           score=cfg.attn_score, mask=cfg.attn_mask, block_size=cfg.block_size, rope=cfg.rope,
-          time_buckets=cfg.time_buckets, fp8=cfg.fp8, remat=cfg.remat, **prec))
+          time_buckets=cfg.time_buckets, seq_layer=cfg.seq_layer, impl=impl,
+          fp8=cfg.fp8, remat=cfg.remat, **prec))
     self.blocks = nnx.List(blocks)
     self.cross_layer = (CrossLayerAttention(cfg.num_blocks - 1, d, rngs=rngs, **prec)
                         if cfg.cross_layer and cfg.num_blocks > 1 else None)
@@ -132,7 +134,8 @@ class GEM(nnx.Module):
     self.query_mix = param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n)),
                            (cfg.num_queries, n), cfg.params_dtype, (None, "tokens"))
     self.target_attn = nnx.List([
-        CrossAttention(d, cfg.num_heads, score=cfg.attn_score, rngs=rngs, fp8=cfg.fp8, **prec)
+        CrossAttention(d, cfg.num_heads, score=cfg.attn_score, impl=impl, rngs=rngs,
+                       fp8=cfg.fp8, **prec)
         for _ in range(k)])
     self.front_pairs = (FM(n0, 1, mode="pairs", rngs=rngs, **prec) if cfg.trunk_pairs
                         else None)
