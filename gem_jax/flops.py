@@ -10,11 +10,15 @@ count 0; training = 3 x forward (recomputation from remat is not counted).
   LCB:            2 n_L n d
   residual:       2 n (n_F + n_L) d            (only when n != n_F + n_L)
   self-attention: 8 L d^2 + 4 L L_k d          (L_k = L; block-local: b, L padded to b)
+  HSTU layer:     10 L d^2 + 4 L L_k d         (`hstu_flops`)
   FFN:            4 e L d^2
   cross-attn:     4 Q d^2 + 4 L d^2 + 4 Q L d
   PMA (k seeds):  4 L d^2 + 4 k L d + 4 k d^2
   InterFormer:    X_sum once + one stream branch per event stream
                   (`interformer_flops`, `sequence_branch_flops` of gem_jax.layers.interformer)
+Jagged histories: `gem_flops(..., lengths=)` and `real_token_flops` count real tokens only
+(useful FLOPs); the default counts the padded lengths (what the device computes);
+`packed_flops` is what a packed batch computes.
 
 Command line:
   python -m gem_jax.flops --preset wukong_108        # one JSON line
@@ -25,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
+from gem_jax.layers.hstu import hstu_flops  # noqa: F401
 from gem_jax.layers.interformer import interformer_flops, sequence_branch_flops  # noqa: F401
 from gem_jax.layers.mlp import mlp_flops
 
@@ -125,12 +131,35 @@ def count_params(model: nnx.Module) -> int:
   return int(sum(math.prod(v.shape) for v in jax.tree.leaves(state)))
 
 
-def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
+def real_token_flops(lengths: Sequence[int], per_length: Callable[[int], float]) -> float:
+  """Mean over examples of per_length(n_b): FLOPs of the real tokens only.
+
+  For attention this is GEM.md §5's jagged rule (mean(L) for the linear terms, mean(L^2)
+  for the score terms); compare with per_length(max_len), what a padded batch computes.
+  """
+  lengths = list(lengths)
+  return sum(per_length(int(n)) for n in lengths) / max(len(lengths), 1)
+
+
+def packed_flops(rows: int, capacity: int, examples: int,
+                 per_length: Callable[[int], float]) -> float:
+  """FLOPs per example a packed batch computes: rows x per_length(capacity) / examples.
+
+  (Attention over a packed row of T tokens computes all T x T scores and masks them to the
+  segments, so its score terms cost T^2 per row, not sum of n_i^2.)
+  """
+  return rows * per_length(capacity) / max(examples, 1)
+
+
+def gem_flops(cfg, spec, feature_dims: Mapping[str, int],
+              lengths: Mapping[str, Sequence[int]] | None = None) -> dict[str, float]:
   """Forward FLOPs per example of `gem_jax.models.gem.GEM`, per block and in total.
 
-  Sequences are counted at their padded (max_len / pyramid) lengths, which is
-  what the device computes; for useful FLOPs of jagged data pass a spec whose
-  max_len is the mean length.
+  lengths=None: sequences counted at their padded (max_len / pyramid) lengths, which is
+  what the device computes. lengths={stream: (N,) real history lengths}: the sequence terms
+  (embedder, InterFormer branches, target attention) are the mean over the N examples of
+  each example's FLOPs at its real length, min(n, L_l) events in block l: useful FLOPs
+  (`real_token_flops`). Streams missing from `lengths` count at max_len.
   """
   from gem_jax.models.gem import front_tokens, pyramid_lengths  # pylint: disable=import-outside-toplevel
   d, n = cfg.d_model, cfg.n_interaction
@@ -141,27 +170,48 @@ def gem_flops(cfg, spec, feature_dims: Mapping[str, int]) -> dict[str, int]:
                                      (cfg.n_dense_tokens * d,))
   out["sparse_projector"] = sum(2 * feature_dims[f.name] * d for f in spec.pooled_features
                                 if feature_dims[f.name] != d)
-  out["sequence_embedder"] = sum(2 * s.max_len * d * sum(feature_dims[f] for f in s.item_features)
-                                 for s in spec.sequences)
   if cfg.token_mix:
     out["token_mix"] = 2 * n * n0 * d
   elif cfg.cross_layer and cfg.num_blocks > 1:
     out["history_proj"] = 2 * n * n0 * d  # X_0 into the cross-layer history
   # One branch per stream (a single 1-event dummy branch when the spec has no streams).
-  lengths = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences] or [(1,) * cfg.num_blocks]
-  k = len(lengths)
+  sched = [pyramid_lengths(cfg, s.max_len) for s in spec.sequences] or [(1,) * cfg.num_blocks]
+  k = len(sched)
+  width = [sum(feature_dims[f] for f in s.item_features) for s in spec.sequences]
+
+  def seq_terms(real: Sequence[int]) -> dict[str, float]:
+    """The sequence-dependent terms for one example with `real` events per stream."""
+    t = {"sequence_embedder": sum(2 * r * d * w for r, w in zip(real, width))}
+    for l in range(cfg.num_blocks):
+      n_in = n0 if (l == 0 and not cfg.token_mix) else n
+      t[f"block{l}/interformer"] = interformer_flops(
+          n_in, [min(r, ls[l]) for r, ls in zip(real, sched)], d,
+          num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls, num_pma=cfg.num_pma,
+          num_recent=cfg.num_recent, mask=cfg.attn_mask, block_size=cfg.block_size,
+          seq_layer=cfg.seq_layer)
+    t["target_attention"] = 2 * cfg.num_queries * n * d + sum(
+        cross_attention_flops(cfg.num_queries, min(r, ls[-1]), d) for r, ls in zip(real, sched))
+    return t
+
+  pad = [s.max_len for s in spec.sequences] or [1]
+  if lengths is None:
+    seq = seq_terms(pad)
+  else:
+    cols = [np.minimum(np.asarray(lengths[s.name]), s.max_len) if s.name in lengths else None
+            for s in spec.sequences]
+    m = max((len(c) for c in cols if c is not None), default=1)
+    per = [seq_terms([int(c[b]) if c is not None else p for c, p in zip(cols, pad)])
+           for b in range(m)]
+    seq = {key: sum(e[key] for e in per) / m for key in per[0]}
+  out["sequence_embedder"] = seq.pop("sequence_embedder")
   for l in range(cfg.num_blocks):
     n_in = n0 if (l == 0 and not cfg.token_mix) else n
-    out[f"block{l}/interformer"] = interformer_flops(
-        n_in, [ls[l] for ls in lengths], d, num_x_summary=cfg.num_x_summary, num_cls=cfg.num_cls,
-        num_pma=cfg.num_pma, num_recent=cfg.num_recent, mask=cfg.attn_mask,
-        block_size=cfg.block_size)
+    out[f"block{l}/interformer"] = seq.pop(f"block{l}/interformer")
     out[f"block{l}/wukong"] = wukong_layer_flops(n_in + k * n_s, d, cfg.wukong_nf, cfg.wukong_nl,
                                                  cfg.wukong_k, cfg.wukong_mlp, cfg.wukong_fm)
   if cfg.cross_layer and cfg.num_blocks > 1:
     out["cross_layer"] = cross_layer_flops(cfg.num_blocks, n, n, d)
-  out["target_attention"] = 2 * cfg.num_queries * n * d + sum(
-      cross_attention_flops(cfg.num_queries, ls[-1], d) for ls in lengths)
+  out["target_attention"] = seq.pop("target_attention")
   trunk_in = (n + cfg.num_x_summary + k * (n_s + cfg.num_queries)) * d
   if cfg.trunk_pairs:
     out["front_pairs"] = fm_flops(n0, d, 0, "pairs")

@@ -42,7 +42,8 @@ from gem_jax.layers.norm import LayerNorm
 Dtype = Any
 REDUCTIONS = ("recent", "pma")
 LAYERS = ("transformer", "hstu")
-HSTU_OPTIONS = ("mask", "block_size", "recent_first", "time_buckets", "impl", "remat")
+HSTU_OPTIONS = ("mask", "block_size", "recent_first", "time_buckets", "pos_buckets", "norm_len",
+                "impl", "remat")
 
 
 class FeedForward(nnx.Module):
