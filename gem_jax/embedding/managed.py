@@ -214,18 +214,24 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
     n = x.shape[0]
     return st, jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), {}
   miss = mine & ~hit
-  before = jnp.cumsum(miss) - miss                                         # misses before me
-  rank = before - jax.ops.segment_min(before, wseg, N, indices_are_sorted=True)[wseg]
+  ahead = jnp.cumsum(miss) - miss                                          # misses before me
+  rank = ahead - jax.ops.segment_min(ahead, wseg, N, indices_are_sorted=True)[wseg]
   cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (N, K)
   if t.eviction == "lru":
     p1, p2 = m_last, jnp.zeros_like(m_last)
   else:
     p1, p2 = m_cnt, m_last
-  kk = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (N, K))
-  _, _, _, order = jax.lax.sort((cls, p1, p2, kk), dimension=1, num_keys=4)  # (N, K) best first
+  # Place of each candidate in the (cls, p1, p2, k) order, by pairwise comparison (K^2 per id:
+  # cheaper than a sort along K on XLA:CPU); the victim is the candidate placed `rank`.
+  a = lambda v: v[:, :, None]  # noqa: E731   candidate k
+  b = lambda v: v[:, None, :]  # noqa: E731   candidate j
+  kk = jnp.arange(K, dtype=jnp.int32)
+  before = ((b(cls) < a(cls)) | ((b(cls) == a(cls)) & ((b(p1) < a(p1)) | ((b(p1) == a(p1)) & (
+      (b(p2) < a(p2)) | ((b(p2) == a(p2)) & (kk[None, None, :] < kk[None, :, None])))))))
+  place = jnp.sum(before, axis=2)                                          # (N, K)
   free = jnp.sum(cls < 3, axis=1)
   put = miss & (rank < free)
-  vic_k = jnp.take_along_axis(order, jnp.minimum(rank, K - 1)[:, None], axis=1)[:, 0]
+  vic_k = jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
   vic_cls = jnp.take_along_axis(cls, vic_k[:, None], axis=1)[:, 0]
   local = jnp.where(hit, base + hit_k, jnp.where(put, base + vic_k, -1))   # (N,)
   glob = jnp.where(local >= 0, shard * rps + local, -1)
@@ -247,12 +253,12 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   for s in ("m", "v"):
     if s in st:
       out[s] = st[s].at[reset].set(0.0, mode="drop")
-  ps = lambda v: jax.lax.psum(jnp.sum(v.astype(jnp.int32)), "shard")  # noqa: E731
-  inserted_empty = ps(put & (vic_cls == 0))
-  out["map_used"] = st["map_used"] + inserted_empty
-  counters = {"ids": ps(mine), "hits": ps(hit), "inserts": ps(put),
-              "evictions": ps(put & (vic_cls == 2)), "expired": ps(put & (vic_cls == 1)),
-              "collisions": ps(miss & ~put), "used": out["map_used"]}
+  local_counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
+      mine, hit, put, put & (vic_cls == 2), put & (vic_cls == 1), miss & ~put,
+      put & (vic_cls == 0))])
+  c = jax.lax.psum(local_counts, "shard")                                  # (7,) one psum
+  out["map_used"] = st["map_used"] + c[6]
+  counters = dict(zip(COUNTERS[:-1], c[:6]), used=out["map_used"])
   row = jnp.zeros((N,), jnp.int32).at[src].set(d_row[did])                 # (N,) input order
   n = x.shape[0]
   dev = jax.lax.axis_index(BATCH)
