@@ -39,6 +39,8 @@ flags.DEFINE_enum("bad_rows", "reject", predict.BAD_ROWS,
 flags.DEFINE_integer("batch_size", 0, "global scoring batch (0: data.eval_batch_size)")
 flags.DEFINE_integer("rows_per_part", 65536, "input rows per part file and process")
 flags.DEFINE_float("bad_row_limit", None, "bad-row fraction that stops (default: the config's)")
+flags.DEFINE_string("key_column", None, "also write this raw input column (text inputs), "
+                    "e.g. Avazu's id")
 flags.DEFINE_integer("max_parts", None, "stop after this many parts (a resumable interruption)")
 flags.mark_flags_as_required(["config", "workdir", "out"])
 
@@ -51,7 +53,7 @@ def run(config, workdir: str) -> dict:
   limit = config.data.bad_row_limit if f.bad_row_limit is None else f.bad_row_limit
   return predict.predict(model, model.setup.eval_src, f.out, fmt=f.format, trunk=f.trunk,
                          bad_rows=f.bad_rows, rows_per_part=f.rows_per_part, seed=config.seed,
-                         bad_row_limit=limit, max_parts=f.max_parts)
+                         bad_row_limit=limit, max_parts=f.max_parts, key_column=f.key_column)
 
 
 def main(argv):

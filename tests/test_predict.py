@@ -107,6 +107,26 @@ def test_text_and_dataset_inputs_agree(run, tmp_path):
   np.testing.assert_array_equal(a["p_click"], b["p_click"])
 
 
+def test_key_column_carries_the_raw_field(run, tmp_path):
+  fx, _, config, _ = run
+  _predict(run, _dev_source(run), tmp_path / "keyed", rows_per_part=128, key_column="C1")
+  got = predict.read_predictions(str(tmp_path / "keyed"))
+  assert list(got)[:4] == ["row", "key", "error", "C1"]
+  assert got["C1"] == [r.cats[0] or "" for r in fx["dev_rows"]]
+  _predict(run, _dev_source(run), tmp_path / "plain", rows_per_part=128)
+  plain = predict.read_predictions(str(tmp_path / "plain"))
+  np.testing.assert_array_equal(got["p_click"], plain["p_click"])
+  with pytest.raises(ConfigError, match=r"key column 'user': .*the columns \['label', 'I1'"):
+    _predict(run, _dev_source(run), tmp_path / "x", key_column="user")
+  with pytest.raises(ConfigError, match="clashes"):
+    _predict(run, _dev_source(run), tmp_path / "y", key_column="p_click")
+  conv = _config(fx, **{"data.train": fx["dev"]})
+  convert.convert_config(conv.data, str(tmp_path / "ds"), splits=("eval",))
+  s = setup_lib.setup(predict.scoring_config(config, BATCH, str(tmp_path / "ds" / "eval")))
+  with pytest.raises(ConfigError, match="keyed by `row`"):
+    _predict(run, s.eval_src, tmp_path / "z", key_column="C1")
+
+
 def test_bad_rows_keep_their_place(run, tmp_path):
   fx, _, config, _ = run
   bad = fx["bad"]

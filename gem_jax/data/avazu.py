@@ -83,6 +83,7 @@ class AvazuSource(LineSource):
   """
 
   is_header = staticmethod(lambda line: line.startswith(b"id,"))
+  columns, delimiter = COLUMNS, b","
 
   def __init__(self, paths: str | Sequence[str], *, vocab_size: int = 1 << 20, **kw):
     super().__init__(paths, avazu_spec(vocab_size), **kw)

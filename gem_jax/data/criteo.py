@@ -89,6 +89,8 @@ class CriteoSource(LineSource):
     **kw: StreamingSource options (shuffle_buffer, bad_row_limit, bad_row_min_rows).
   """
 
+  columns = ("label",) + INT_NAMES + CAT_NAMES  # the raw fields (`field`), tab-separated
+
   def __init__(self, paths: str | Sequence[str], *, vocab_size: int = 1 << 20,
                int_buckets: bool = False, **kw):
     super().__init__(paths, criteo_spec(vocab_size, int_buckets), **kw)

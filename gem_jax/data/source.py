@@ -14,6 +14,7 @@ To plug in one's own logs, subclass `StreamingSource` and provide
   decode(record) -> example                  raise BadRow(reason) for a bad row
   where(record) -> str                       'file:line' for bad-row reports
   collate(examples) -> batch dict            examples: list of example or None (padding)
+  columns / field(record, name) -> str       optional: raw named columns (predict's key)
 
 or, for one-row-per-line text files, subclass `LineSource` and provide
 `parse(line: bytes) -> example` and `collate`. Shuffling, process sharding,
@@ -58,6 +59,12 @@ class StreamingSource:
   def where(self, record) -> str:
     return "?"
 
+  columns: tuple[str, ...] = ()  # raw columns `field` can return (predict's key column)
+
+  def field(self, record, name: str) -> str:
+    """The raw text of column `name` of `record` ('' where the row has no such field)."""
+    raise ValueError(f"{self.describe()} has no named raw columns (asked for {name!r})")
+
   def collate(self, examples: list) -> dict:
     raise NotImplementedError
 
@@ -88,6 +95,7 @@ class LineSource(StreamingSource):
   """
 
   is_header = None  # optional predicate: skip a matching first line in every file
+  delimiter = b"\t"  # field separator of the raw `columns` (`field`)
 
   def __init__(self, paths: str | Sequence[str], spec: DataSpec, **kw):
     super().__init__(spec, **kw)
@@ -118,6 +126,13 @@ class LineSource(StreamingSource):
 
   def where(self, record) -> str:
     return f"{record[0]}:{record[1]}"
+
+  def field(self, record, name: str) -> str:
+    if name not in self.columns:
+      raise ValueError(f"{self.describe()}: no column {name!r}; columns: {list(self.columns)}")
+    parts = record[2].rstrip(b"\r\n").split(self.delimiter)
+    i = self.columns.index(name)
+    return parts[i].decode("utf-8", "replace") if i < len(parts) else ""
 
   def parse(self, line: bytes):
     raise NotImplementedError

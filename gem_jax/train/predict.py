@@ -12,8 +12,10 @@ Output rows follow the input order: sorting the part files by name concatenates 
 in input order, whatever the process count. Columns: `row` (the input row: record
 index in file order for text sources, counting bad rows; row index of a converted
 dataset or a generated split), `key` ('file:line', text sources), `error` (the bad-row
-reason, '' for good rows; text sources), `p_<task>` per task (float32), and with
-`trunk=True` the model's trunk embedding (list<float32>; TSV: comma-joined).
+reason, '' for good rows; text sources), with `key_column=NAME` that raw column of the
+row as text (a text source's `columns`, e.g. Avazu's `id`), `p_<task>` per task
+(float32), and with `trunk=True` the model's trunk embedding (list<float32>; TSV:
+comma-joined).
 
 Bad rows (a reader's `BadRow`, gem_jax/data/badrows.py) are counted against
 `data.bad_row_limit` and, per `bad_rows`: 'reject' (default) -> the row is written with
@@ -229,6 +231,7 @@ class Slice(NamedTuple):
   start: int
   rows: int
   keys: list | None          # 'file:line' per row (text sources)
+  ids: list | None           # the key column's raw text per row (key_column)
   errors: list | None        # bad-row reason per row, None for good rows (text sources)
   examples: list | None      # decoded examples (None: bad) (text sources)
   pos: Any                   # the input position after these rows (resume)
@@ -239,8 +242,13 @@ class StreamRows:
 
   keyed = True
 
-  def __init__(self, source, seed: int, counter: BadRowCounter):
+  def __init__(self, source, seed: int, counter: BadRowCounter, key_column: str | None = None):
     self.source, self.seed, self.counter = source, seed, counter
+    self.key_column = key_column
+    if key_column is not None and key_column not in source.columns:
+      raise ConfigError(f"key column {key_column!r}: {source.describe()} has "
+                        + (f"the columns {list(source.columns)}" if source.columns
+                           else "no named raw columns"))
     self.stream = source.open_stream(0, seed)
 
   def position(self, pos: Any) -> None:
@@ -255,6 +263,7 @@ class StreamRows:
     """Reads the next `size` records (rows [start, start + size)); decodes [lo, hi) of them.
     -> (records read, this process's slice)."""
     n, keys, errors, examples, pos = 0, [], [], [], self.stream.tell()
+    ids = [] if self.key_column is not None else None
     while n < size:
       try:
         rec = next(self.stream)
@@ -262,6 +271,8 @@ class StreamRows:
         break
       if lo <= n < hi:
         keys.append(self.source.where(rec))
+        if ids is not None:
+          ids.append(self.source.field(rec, self.key_column))
         try:
           examples.append(self.source.decode(rec))
           errors.append(None)
@@ -276,7 +287,7 @@ class StreamRows:
     if n < hi:
       pos = self.stream.tell()
     self.counter.check(end_of_pass=n < size)
-    return n, Slice(start + lo, len(keys), keys, errors, examples, pos)
+    return n, Slice(start + lo, len(keys), keys, ids, errors, examples, pos)
 
   def batch(self, sl: Slice, i: int, j: int) -> dict:
     ex = sl.examples[i:j] if sl.examples else []
@@ -307,7 +318,7 @@ class IndexedRows:
   def read(self, start: int, size: int, lo: int, hi: int) -> tuple[int, Slice]:
     n = max(0, min(size, self.n - start))
     a, b = start + min(lo, n), start + min(hi, n)
-    return n, Slice(a, b - a, None, None, None, b)
+    return n, Slice(a, b - a, None, None, None, None, b)
 
   def _rows(self, a: int, b: int) -> dict:
     if not hasattr(self.source, "read_block"):
@@ -330,10 +341,14 @@ class IndexedRows:
     return pad_rows(self._rows(sl.start + i, sl.start + i + got), j - i - got)
 
 
-def input_rows(source, seed: int, counter: BadRowCounter):
+def input_rows(source, seed: int, counter: BadRowCounter, key_column: str | None = None):
   """The rows reader of `source` (StreamRows for record sources, else IndexedRows)."""
   if hasattr(source, "open_stream"):
-    return StreamRows(source, seed, counter)
+    return StreamRows(source, seed, counter, key_column)
+  if key_column is not None:
+    raise ConfigError(f"key column {key_column!r}: {source.describe()} is keyed by `row`, its "
+                      "row index (a converted dataset keeps no raw columns; score the text "
+                      "files to key by a column)")
   if hasattr(source, "read_block") or getattr(source, "num_examples", None):
     return IndexedRows(source, seed)
   raise ConfigError(f"{source.describe()} cannot be scored row by row (a record source, a "
@@ -342,8 +357,10 @@ def input_rows(source, seed: int, counter: BadRowCounter):
 
 # ----------------------------------------------------------------------- output --
 
-def _columns(tasks: Sequence[str], keyed: bool, trunk: bool) -> list[str]:
-  return (["row"] + (["key", "error"] if keyed else []) + [f"p_{t}" for t in tasks]
+def _columns(tasks: Sequence[str], keyed: bool, trunk: bool,
+             key_column: str | None = None) -> list[str]:
+  return (["row"] + (["key", "error"] if keyed else []) + ([key_column] if key_column else [])
+          + [f"p_{t}" for t in tasks]
           + (["trunk"] if trunk else []))
 
 
@@ -463,7 +480,7 @@ class RowProgress(report.Progress):
 def predict(model: Model, source, out: str, *, fmt: str = "parquet", trunk: bool = False,
             bad_rows: str = "reject", rows_per_part: int = 65536, seed: int = 0,
             bad_row_limit: float = 0.01, max_parts: int | None = None,
-            progress_every_s: float = 10.0) -> dict:
+            progress_every_s: float = 10.0, key_column: str | None = None) -> dict:
   """Scores every row of `source` with `model` into the directory `out` (module docstring).
 
   Args:
@@ -476,6 +493,7 @@ def predict(model: Model, source, out: str, *, fmt: str = "parquet", trunk: bool
     seed: the generated source's stream seed (evaluation reads `config.seed`'s).
     bad_row_limit: the bad-row fraction that stops scoring (BadRowLimitError).
     max_parts: stop after this many parts (a simulated interruption; None: all).
+    key_column: also write this raw column of every row (text sources' `columns`).
   Returns:
     the index (also OUT/_index.json): rows, written, bad, parts, columns, step, ...
   """
@@ -492,8 +510,11 @@ def predict(model: Model, source, out: str, *, fmt: str = "parquet", trunk: bool
   b = B // pc
   r = max(b, math.ceil(rows_per_part / b) * b)
   counter = BadRowCounter(bad_row_limit, min_rows=1000)
-  rows = input_rows(source, seed, counter)
-  columns = _columns(s.spec.tasks, rows.keyed, trunk)
+  base = _columns(s.spec.tasks, rows_keyed := hasattr(source, "open_stream"), trunk)
+  if key_column is not None and (key_column in base or key_column.startswith("p_")):
+    raise ConfigError(f"key column {key_column!r} clashes with an output column ({base})")
+  rows = input_rows(source, seed, counter, key_column)
+  columns = _columns(s.spec.tasks, rows_keyed, trunk, key_column)
   run = {"input": source.describe(), "step": model.step, "format": fmt, "columns": columns,
          "bad_rows": bad_rows, "batch_size": B}
   if os.path.isfile(os.path.join(out, INDEX)):
@@ -608,6 +629,8 @@ def _commit_part(out: str, sl: Slice, chunks: list, tasks, fmt: str, columns: li
   if sl.keys is not None:
     cols["key"] = [k for k, m in zip(sl.keys, keep) if m]
     cols["error"] = [e for e, m in zip(errors, keep) if m]
+  if sl.ids is not None:
+    cols[columns[3]] = [k for k, m in zip(sl.ids, keep) if m]
   for t, task in enumerate(tasks):
     cols[f"p_{task}"] = probs[keep, t]
   if "trunk" in columns:
@@ -657,9 +680,10 @@ def read_predictions(out: str) -> dict[str, np.ndarray]:
   tables = [pq.read_table(os.path.join(out, n)) for n in names]
   out_cols = {}
   for c in index["columns"]:
-    vals = [t.column(c).to_pylist() if c in ("key", "error") else
+    text = c not in ("row", "trunk") and not c.startswith("p_")  # key, error, a key column
+    vals = [t.column(c).to_pylist() if text else
             np.asarray(t.column(c).to_pylist() if c == "trunk" else t.column(c).to_numpy())
             for t in tables]
-    out_cols[c] = (sum(vals, []) if c in ("key", "error") else np.concatenate(vals))
+    out_cols[c] = sum(vals, []) if text else np.concatenate(vals)
   return out_cols
 
