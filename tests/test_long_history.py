@@ -1,0 +1,33 @@
+"""The long-history generator: length distribution, the planted signal, the truncation gap."""
+import numpy as np
+
+from gem_jax.data.long_history import LongHistory
+from gem_jax.data.synthetic import rank_auc
+
+
+def test_lengths_and_layout():
+  g = LongHistory()
+  b = g.batch(4000, np.random.default_rng(0))
+  n = b["lengths"]
+  assert 250 <= np.median(n) <= 340 and n.max() <= g.max_len and (n == 0).any()
+  valid = np.arange(g.max_len)[None] < n[:, None]
+  assert (b["items"][valid] >= 0).all() and (b["items"][~valid] == -1).all()
+  assert (b["dt"][~valid] == 0).all()
+  ok = valid[:, 1:] & valid[:, :-1]
+  assert (np.diff(b["dt"], axis=1)[ok] >= 0).all()  # older events are not younger (fp32 ages)
+  same = g.batch(4000, np.random.default_rng(0))
+  np.testing.assert_array_equal(same["items"], b["items"])  # a seed fixes the data
+
+
+def test_planted_signal_is_far_back():
+  g = LongHistory()
+  b = g.batch(20000, np.random.default_rng(1))
+  hit = (b["items"] == b["candidate"][:, None]) & (b["items"] >= 0)
+  np.testing.assert_array_equal(hit.any(1), b["deep_match"] | b["recent_match"])
+  np.testing.assert_allclose(b["logit"], g.bias + g.beta * hit.any(1), rtol=1e-6)
+  assert not (b["deep_match"] & (b["lengths"] <= g.recent)).any()
+  assert b["deep_match"].mean() > 0.25  # a third of the users match only far back
+  # The newest 64 events lose most of the AUC the full history gives.
+  full = rank_auc(b["logit"], b["label"])
+  short = rank_auc(g.short_logit(b), b["label"])
+  assert full > 0.78 and short < 0.65, (full, short)
