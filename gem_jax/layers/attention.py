@@ -27,6 +27,18 @@ outputs at invalid query positions are zeroed before the output projection
 (so they equal the projection bias). Padded events never change a valid
 output: their scores are replaced (not added to), so results are bit-exact.
 
+Packed rows: segment ids seg (B, L) restrict key j to queries i of the same segment
+(several users' histories in one row, `gem_jax.data.packing`); a learned relative
+position bias pos_table[min(|p_i - p_j|, P - 1)] takes in-segment positions p.
+
+Implementations (`AttentionImpl`, all the same function): 'dense' builds the
+(B, H, Lq, Lk) scores; 'chunked' (`gem_jax.layers.chunked`) runs an online softmax
+over key chunks with a recomputing custom VJP, memory linear in L; 'cudnn' calls
+`jax.nn.dot_product_attention` (softmax, no bias or segments, 'full' or
+chronological 'causal', prefix-valid rows); 'auto' (default) is dense up to
+dense_max keys, above it cuDNN on GPU where that applies, else chunked.
+Block-local attention is block-diagonal in every case.
+
 Position / time information (optional, both may be on):
   * RoPE on q and k with positions 0..L-1 (`gem_jax.layers.rope`).
   * Relative time bias: a learned (num_buckets, H) table indexed by
