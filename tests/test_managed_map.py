@@ -18,11 +18,11 @@ from managed_reference import RefMap
 ROWS, K, B = 64, 4, 16
 
 
-def _plan(mesh, eviction, ttl):
+def _plan(mesh, eviction, ttl, exchange="a2a"):
   t = TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K, eviction=eviction,
                   ttl_steps=ttl)
   feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("u_hist", "u", bag=3, pooling="none")]
-  return plan_embeddings([t], feats, mesh, batch_size=B,
+  return plan_embeddings([t], feats, mesh, batch_size=B, rw_exchange=exchange,
                          optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1))
 
 
@@ -67,21 +67,22 @@ def _check(plan, state, host, rows, counters, ref, step):
   return want, want_c
 
 
-@pytest.mark.parametrize("first,second,eviction,ttl", [
-    pytest.param((1, 8), (2, 4), "lru", 0, marks=pytest.mark.slow),
-    ((2, 4), (4, 2), "lfu", 3),
-    pytest.param((4, 2), (1, 8), "lru", 3, marks=pytest.mark.slow)])
-def test_stream_matches_reference_across_restore(first, second, eviction, ttl):
+@pytest.mark.parametrize("first,second,eviction,ttl,exchange", [
+    pytest.param((1, 8), (2, 4), "lru", 0, "a2a", marks=pytest.mark.slow),
+    ((2, 4), (4, 2), "lfu", 3, "a2a"),
+    pytest.param((4, 2), (1, 8), "lru", 3, "broadcast", marks=pytest.mark.slow)])
+def test_stream_matches_reference_across_restore(first, second, eviction, ttl, exchange):
+  """Ids routed to their owners (a2a) or by broadcast (the overflow path, forced)."""
   ref = RefMap(ROWS, K, eviction, ttl)
   stream = _stream(hash((first, eviction)) % 1000, 8)
   totals = dict.fromkeys(managed.COUNTERS, 0)
-  plan = _plan(make_mesh(*first), eviction, ttl)
+  plan = _plan(make_mesh(*first), eviction, ttl, exchange)
   state = init_embedding_state(plan, jax.random.key(0))
   step_fn = _step_fn(plan)
   for step, host in enumerate(stream):
     if step == 4:                                        # checkpoint -> another mesh
       canon = jax.tree.map(np.asarray, export_state(plan, state))
-      plan = _plan(make_mesh(*second), eviction, ttl)
+      plan = _plan(make_mesh(*second), eviction, ttl, exchange)
       state, step_fn = import_state(plan, canon), _step_fn(plan)
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     state, rows, counters = step_fn(state, ids, step)

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gem_jax.embedding import layout
 from gem_jax.embedding.config import TableConfig
 from gem_jax.embedding.plan import BATCH, MAP_LEAVES, EmbeddingPlan
 
@@ -173,50 +174,71 @@ def _fresh(t: TableConfig, key, n: int):
     return t.initializer(key, (n, t.dim), t.dtype)
 
 
-def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update=True):
-  """One device: (its buffer state, its ids (n, 2)) -> (state, rows (n,), counters).
-  update=False: lookups only (misses get no row, the state is returned as it is)."""
-  buf = plan.buffers[plan.buffer_of[t.name]]
-  K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
-  shard = jax.lax.axis_index("shard")
-  g = jax.lax.all_gather(x, BATCH, axis=0, tiled=True)                     # (N, 2) global
-  N = g.shape[0]
+def _fresh_rows(t: TableConfig, key, rows):
+  """(M, D) fresh rows for global rows `rows` (M,): row r drawn from fold_in(key, r), so the
+  values depend on the row and the step only (not on the mesh or the route)."""
+  return jax.vmap(lambda r: _fresh(t, jax.random.fold_in(key, r), 1)[0])(rows)
+
+
+def _distinct(g, windows: int, w=None):
+  """Ids (M, 2) sorted by (window, hi, lo) -> (src (M,) input position of each sorted slot,
+  did (M,) its distinct index, d_win, d_hi, d_lo (M,) per distinct id (padding: window
+  _BIG, last), occ (M,) occurrences of each distinct id: the sum of its `w`, default 1)."""
+  M = g.shape[0]
   hi, valid = g[:, 0], g[:, 0] >= 0
   lo = jnp.where(valid, g[:, 1], 0)
   win = jnp.where(valid, window_of(hi, lo, windows), _BIG)
-  win, hi, lo, src = jax.lax.sort((win, hi, lo, jnp.arange(N, dtype=jnp.int32)), num_keys=3)
+  w = jnp.ones((M,), jnp.int32) if w is None else w
+  win, hi, lo, src, w = jax.lax.sort((win, hi, lo, jnp.arange(M, dtype=jnp.int32), w),
+                                     num_keys=3)
   new = jnp.concatenate([jnp.ones((1,), bool),
                          (win[1:] != win[:-1]) | (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
-  did = jnp.cumsum(new) - 1                                                # (N,) distinct index
-  d_win = jnp.full((N,), _BIG, jnp.int32).at[did].set(win)                 # (N,) per distinct id
-  d_hi = jnp.full((N,), -1, jnp.int32).at[did].set(hi)
-  d_lo = jnp.zeros((N,), jnp.int32).at[did].set(lo)
-  occ = jax.ops.segment_sum((win != _BIG).astype(jnp.int32), did, N, indices_are_sorted=True)
+  did = (jnp.cumsum(new) - 1).astype(jnp.int32)                            # (M,) distinct index
+  d_win = jnp.full((M,), _BIG, jnp.int32).at[did].set(win)                 # (M,) per distinct id
+  d_hi = jnp.full((M,), -1, jnp.int32).at[did].set(hi)
+  d_lo = jnp.zeros((M,), jnp.int32).at[did].set(lo)
+  occ = jax.ops.segment_sum(jnp.where(win != _BIG, w, 0), did, M, indices_are_sorted=True)
+  return src, did, d_win, d_hi, d_lo, occ
+
+
+def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, update: bool,
+                   w=None):
+  """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
+  among them; `w` (M,): occurrences of each, default 1) -> (state, global row per input
+  position (M,), -1 for ids of other owners
+  and ids left without a row; local counts (7,): ids, hits, inserts, evictions, expired,
+  collisions, inserts into empty rows). No collective inside."""
+  buf = plan.buffers[plan.buffer_of[t.name]]
+  K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
+  shard = jax.lax.axis_index("shard")
+  src, did, d_win, d_hi, d_lo, occ = _distinct(g, windows, w)
+  M = g.shape[0]
   d_valid = d_win != _BIG
   first = jnp.where(d_valid, d_win, 0) * K                                 # window's first row
   mine = d_valid & (first // rps == shard)
   base = jnp.where(mine, first - shard * rps, 0)                           # local first row
-  slots = base[:, None] + jnp.arange(K, dtype=jnp.int32)                   # (N, K) local rows
-  m_hi, m_lo = st["map_hi"][slots], st["map_lo"][slots]                    # (N, K)
+  slots = base[:, None] + jnp.arange(K, dtype=jnp.int32)                   # (M, K) local rows
+  m_hi, m_lo = st["map_hi"][slots], st["map_lo"][slots]                    # (M, K)
   m_last, m_cnt = st["map_last"][slots], st["map_count"][slots]
   live = m_hi >= 0
   if t.ttl_steps:
     live = live & (step - m_last < t.ttl_steps)
-  match = mine[:, None] & live & (m_hi == d_hi[:, None]) & (m_lo == d_lo[:, None])  # (N, K)
+  match = mine[:, None] & live & (m_hi == d_hi[:, None]) & (m_lo == d_lo[:, None])  # (M, K)
   hit = jnp.any(match, axis=1)
   hit_k = jnp.argmax(match, axis=1).astype(jnp.int32)
-  wseg = jnp.cumsum(jnp.concatenate([jnp.ones((1,), bool), d_win[1:] != d_win[:-1]])) - 1
-  taken = jax.ops.segment_max(match.astype(jnp.int32), wseg, N, indices_are_sorted=True)[wseg]
+
+  def by_position(local):                       # local row per distinct id -> global per input
+    glob = jnp.where(local >= 0, shard * rps + local, -1)
+    return jnp.zeros((M,), jnp.int32).at[src].set(glob[did])
+
   if not update:
-    glob = jnp.where(hit, shard * rps + base + hit_k, -1)
-    d_row = jax.lax.psum(glob + 1, "shard") - 1
-    row = jnp.zeros((N,), jnp.int32).at[src].set(d_row[did])
-    n = x.shape[0]
-    return st, jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), {}
+    return st, by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32)
+  wseg = jnp.cumsum(jnp.concatenate([jnp.ones((1,), bool), d_win[1:] != d_win[:-1]])) - 1
+  taken = jax.ops.segment_max(match.astype(jnp.int32), wseg, M, indices_are_sorted=True)[wseg]
   miss = mine & ~hit
   ahead = jnp.cumsum(miss) - miss                                          # misses before me
-  rank = ahead - jax.ops.segment_min(ahead, wseg, N, indices_are_sorted=True)[wseg]
-  cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (N, K)
+  rank = ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]
+  cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
   if t.eviction == "lru":
     p1, p2 = m_last, jnp.zeros_like(m_last)
   else:
@@ -228,41 +250,96 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   kk = jnp.arange(K, dtype=jnp.int32)
   before = ((b(cls) < a(cls)) | ((b(cls) == a(cls)) & ((b(p1) < a(p1)) | ((b(p1) == a(p1)) & (
       (b(p2) < a(p2)) | ((b(p2) == a(p2)) & (kk[None, None, :] < kk[None, :, None])))))))
-  place = jnp.sum(before, axis=2)                                          # (N, K)
+  place = jnp.sum(before, axis=2)                                          # (M, K)
   free = jnp.sum(cls < 3, axis=1)
   put = miss & (rank < free)
   vic_k = jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
   vic_cls = jnp.take_along_axis(cls, vic_k[:, None], axis=1)[:, 0]
-  local = jnp.where(hit, base + hit_k, jnp.where(put, base + vic_k, -1))   # (N,)
-  glob = jnp.where(local >= 0, shard * rps + local, -1)
-  d_row = jax.lax.psum(glob + 1, "shard") - 1                              # (N,) every id's row
+  local = jnp.where(hit, base + hit_k, jnp.where(put, base + vic_k, -1))   # (M,)
 
   upd = jnp.where(hit | put, local, rps)                                   # rps: dropped
   cnt = jnp.where(hit, jnp.take_along_axis(m_cnt, hit_k[:, None], axis=1)[:, 0], 0) + occ
   out = dict(st)
   out["map_hi"] = st["map_hi"].at[upd].set(d_hi, mode="drop")
   out["map_lo"] = st["map_lo"].at[upd].set(d_lo, mode="drop")
-  out["map_last"] = st["map_last"].at[upd].set(jnp.broadcast_to(step, (N,)), mode="drop")
+  out["map_last"] = st["map_last"].at[upd].set(jnp.broadcast_to(step, (M,)), mode="drop")
   out["map_count"] = st["map_count"].at[upd].set(cnt, mode="drop")
   reset = jnp.where(put, local, rps)                                       # rows re-initialised
-  out["weight"] = st["weight"].at[reset].set(_fresh(t, key, N).astype(st["weight"].dtype),
-                                             mode="drop")
-  opt = buf.optimizer
+  fresh = _fresh_rows(t, key, shard * rps + jnp.maximum(local, 0))
+  out["weight"] = st["weight"].at[reset].set(fresh.astype(st["weight"].dtype), mode="drop")
   if "accumulator" in st:
-    out["accumulator"] = st["accumulator"].at[reset].set(opt.initial_accumulator, mode="drop")
+    out["accumulator"] = st["accumulator"].at[reset].set(buf.optimizer.initial_accumulator,
+                                                         mode="drop")
   for s in ("m", "v"):
     if s in st:
       out[s] = st[s].at[reset].set(0.0, mode="drop")
-  local_counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
+  counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
       mine, hit, put, put & (vic_cls == 2), put & (vic_cls == 1), miss & ~put,
       put & (vic_cls == 0))])
-  c = jax.lax.psum(local_counts, "shard")                                  # (7,) one psum
-  out["map_used"] = st["map_used"] + c[6]
-  counters = dict(zip(COUNTERS[:-1], c[:6]), used=out["map_used"])
-  row = jnp.zeros((N,), jnp.int32).at[src].set(d_row[did])                 # (N,) input order
+  return out, by_position(local), counts
+
+
+def _route_broadcast(plan, t, st, x, step, key, update):
+  """Every device resolves the whole global batch's ids of its windows (any skew)."""
+  g = jax.lax.all_gather(x, BATCH, axis=0, tiled=True)                     # (N, 2) global
+  st, row, counts = _owner_resolve(plan, t, st, g, step, key, update)
+  row = jax.lax.psum(row + 1, "shard") - 1                                 # (N,) one owner each
   n = x.shape[0]
-  dev = jax.lax.axis_index(BATCH)
-  return out, jax.lax.dynamic_slice(row, (dev * n,), (n,)), counters
+  return st, jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), counts
+
+
+def _owners(plan, t, x):
+  """Requester side: its distinct ids (`_distinct`), the owner of each (S: padding) and
+  where each owner's run starts in them (S + 1 edges; sorted by window = by owner)."""
+  rps, S = plan.buffers[plan.buffer_of[t.name]].local_rows, plan.num_shards
+  src, did, d_win, d_hi, d_lo, occ = _distinct(x, t.rows // t.probe)
+  owner = jnp.where(d_win != _BIG, jnp.where(d_win != _BIG, d_win, 0) * t.probe // rps, S)
+  edges = jnp.searchsorted(owner, jnp.arange(S + 1, dtype=jnp.int32)).astype(jnp.int32)
+  return (src, did, d_hi, d_lo, occ, owner), edges
+
+
+def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges):
+  """Each device's distinct ids to the owners of their windows (all_to_all, C per pair),
+  gathered over 'replica' (each owner sees its windows' ids of the whole batch), resolved,
+  rows sent back along the same routes. `local`, `edges`: `_owners(plan, t, x)`."""
+  S, n = plan.num_shards, x.shape[0]
+  src, did, d_hi, d_lo, occ, owner = local
+  start = edges[:-1]
+  j = jnp.arange(C, dtype=jnp.int32)
+  slot = jnp.minimum(start[:, None] + j[None, :], n - 1)                   # (S, C)
+  ok = j[None, :] < jnp.diff(edges)[:, None]
+  send = jnp.stack([jnp.where(ok, d_hi[slot], -1), jnp.where(ok, d_lo[slot], 0),
+                    jnp.where(ok, occ[slot], 0)], -1)                      # (S, C, 3) id, count
+  recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)               # (S, C, 3) asked of me
+  every = jax.lax.all_gather(recv, "replica", axis=0, tiled=False)         # (R, S, C, 3)
+  flat = every.reshape(-1, 3)
+  st, row, counts = _owner_resolve(plan, t, st, flat[:, :2], step, key, update, flat[:, 2])
+  mine = row.reshape(every.shape[:3])[jax.lax.axis_index("replica")]       # (S, C) my group's
+  back = jax.lax.all_to_all(mine, "shard", 0, 0, tiled=True)               # (S, C) my requests
+  o = jnp.minimum(owner, S - 1)
+  pos = jnp.arange(n, dtype=jnp.int32) - start[o]                          # (n,) place in run
+  d_row = jnp.where(owner < S, back[o, jnp.clip(pos, 0, C - 1)], -1)       # per distinct id
+  return st, jnp.zeros((n,), jnp.int32).at[src].set(d_row[did]), counts
+
+
+def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update=True):
+  """One device: (its buffer state, its ids (n, 2)) -> (state, rows (n,), counts (7,)).
+
+  By owner (`_route_a2a`) unless some (device, owner) pair has more than C distinct ids
+  anywhere in the mesh (one `pmax`, the same branch everywhere), then by broadcast
+  (`_route_broadcast`): both give the same rows and maps.
+  """
+  S, n = plan.num_shards, x.shape[0]
+  C = layout.rw_capacity(n, S, n)
+  if S == 1 or plan.rw_exchange == "broadcast":
+    st, rows, counts = _route_broadcast(plan, t, st, x, step, key, update)
+  else:
+    local, edges = _owners(plan, t, x)
+    over = jax.lax.pmax(jnp.any(jnp.diff(edges) > C).astype(jnp.int32), BATCH) > 0
+    st, rows, counts = jax.lax.cond(
+        over, lambda s: _route_broadcast(plan, t, s, x, step, key, update),
+        lambda s: _route_a2a(plan, t, s, x, step, key, update, C, local, edges), st)
+  return st, rows, jax.lax.psum(counts, "shard")
 
 
 def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True):
@@ -294,8 +371,11 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     for i, t in enumerate(names):
       fs = feats[t]
       x = jnp.concatenate([raw[f].reshape(-1, 2) for f in fs])             # (n, 2)
-      new[bufs[i]], r, counters[t] = _resolve_table(
+      new[bufs[i]], r, c = _resolve_table(
           plan, plan.tables[t], sub[bufs[i]], x, step, jax.random.fold_in(key, i), update)
+      if update:
+        new[bufs[i]]["map_used"] = sub[bufs[i]]["map_used"] + c[6]
+        counters[t] = dict(zip(COUNTERS[:-1], c[:6]), used=new[bufs[i]]["map_used"])
       off = 0
       for f in fs:
         b, bag = raw[f].shape[:2]
@@ -307,7 +387,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   sub_specs = {b: specs[b] for b in bufs}
   in_specs = (sub_specs, {f: P(BATCH, None, None) for f in mfeats}, P(), P())
   out_specs = (sub_specs, {f: P(BATCH, None) for f in mfeats},
-               {t: {c: P() for c in COUNTERS} if update else {} for t in names})
+               {t: {c: P() for c in COUNTERS} for t in names} if update else {})
   # check_vma=False: the maps and counters are replicated over 'replica' (and the counters
   # over 'shard') by construction: every device resolves the same global ids.
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
