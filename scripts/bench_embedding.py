@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,  # noqa: E402
                                apply_sparse_updates, gather_rows, init_embedding_state,
-                               plan_embeddings, pool_rows, prepare_ids)
-from gem_jax.embedding.plan import DEDUP_MIN_BYTES  # noqa: E402
+                               hash_ids, managed, plan_embeddings, pool_rows, prepare_ids)
+from gem_jax.embedding.plan import DEDUP_MIN_BYTES, MAP_BYTES_PER_ROW, MAP_LEAVES  # noqa: E402
 from gem_jax.parallel.mesh import make_mesh  # noqa: E402
 from gem_jax.transfer.student import frozen_row_ranges, keep_frozen_rows  # noqa: E402
 
@@ -64,7 +64,9 @@ def make_step(plan, frozen=None, freeze_by="drop"):
     emb = pool_rows(plan, rows, ctx)
     return sum(jnp.sum(e * e) for e in emb.values()) / plan.batch_size
 
-  def step(state, ids):
+  def step(state, ids, t):
+    if plan.managed_tables():   # raw ids -> rows through the maps (managed.py), step t
+      state, ids, _ = managed.resolve(plan, state, ids, t, jax.random.key(1))
     rows, ctx = gather_rows(plan, state, ids)
     loss, g = jax.value_and_grad(loss_fn)(rows, ctx)
     if frozen and freeze_by == "select":
@@ -74,12 +76,16 @@ def make_step(plan, frozen=None, freeze_by="drop"):
 
 
 def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
-          rw_exchange: str = "a2a") -> dict:
-  """Plan, state, id batches and the compiled step of one size (and mesh, batch, exchange)."""
+          rw_exchange: str = "a2a", id_policy: str = "hash") -> dict:
+  """Plan, state, id batches and the compiled step of one size (and mesh, batch, exchange,
+  id policy: raw Zipf ids are unbounded, hashed or managed)."""
   batch = batch or args.batch
   n_tables = args.tables
-  tables = [TableConfig(f"t{i}", rows // n_tables, args.dim, sharding=args.sharding,
-                        id_policy="hash")          # raw Zipf ids are unbounded
+  per = rows // n_tables
+  if len(args.id_policy) > 1 or id_policy == "managed":   # the same rows under both policies
+    per = -(-per // args.probe) * args.probe
+  tables = [TableConfig(f"t{i}", per, args.dim, sharding=args.sharding, id_policy=id_policy,
+                        probe=args.probe, eviction=args.eviction)
             for i in range(n_tables)]
   feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
   mesh = make_mesh(tuple(mesh_shape or args.mesh))
@@ -93,17 +99,20 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
   batches = []
   for _ in range(4):
     raw = {f.name: rng.zipf(1.1, (batch, args.bag)).astype(np.int64) for f in feats}
+    if id_policy == "managed":   # ids spread over 63 bits, as raw ids are
+      raw = {f: hash_ids(x, 1 << 62) for f, x in raw.items()}
     batches.append(jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()))
   frozen = frozen_row_ranges(plan, [t.name for t in tables[:args.freeze]])
   step = make_step(plan, frozen, freeze_by)
   t0 = time.perf_counter()
-  state, loss = step(state, batches[0])
+  state, loss = step(state, batches[0], jnp.int32(0))
   jax.block_until_ready(loss)
   compile_s = time.perf_counter() - t0
   for i in range(args.warmup):
-    state, loss = step(state, batches[i % 4])
+    state, loss = step(state, batches[i % 4], jnp.int32(i + 1))
   jax.block_until_ready(state)
   return {"rows": rows, "freeze_by": freeze_by, "plan": plan, "state": state,
+          "id_policy": id_policy, "t": args.warmup + 1,
           "rw_exchange": rw_exchange, "batch": batch,
           "batches": batches, "step": step,
           "loss": loss, "times": [], "init_s": init_s, "compile_s": compile_s,
@@ -112,16 +121,27 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
 
 def timed_step(run: dict, i: int) -> None:
   t0 = time.perf_counter()
-  run["state"], run["loss"] = run["step"](run["state"], run["batches"][i % 4])
+  run["state"], run["loss"] = run["step"](run["state"], run["batches"][i % 4],
+                                          jnp.int32(run["t"]))
+  run["t"] += 1
   jax.block_until_ready((run["state"], run["loss"]))
   run["times"].append((time.perf_counter() - t0) * 1e3)
+
+
+def _map_bytes(state) -> int:
+  """Bytes of the managed maps in the (global) state: every map leaf, as allocated."""
+  return int(sum(x.nbytes for buf in state.values() for k, x in buf.items()
+                 if k in MAP_LEAVES))
 
 
 def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
       "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": run["batch"],
-      "rw_exchange": run["rw_exchange"],
+      "rw_exchange": run["rw_exchange"], "id_policy": run["id_policy"],
+      "table_rows": int(plan.tables["t0"].rows),
+      "map_bytes_per_row": MAP_BYTES_PER_ROW if run["id_policy"] == "managed" else 0,
+      "map_bytes_measured": _map_bytes(run["state"]),
       "frozen_tables": args.freeze, "freeze_by": run["freeze_by"] if args.freeze else None,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
       "sharding": sorted(set(plan.sharding.values())),
@@ -167,6 +187,11 @@ def main(argv=None):
                  help="group-size series instead of sizes: mesh 1 x S for each S, the first "
                       "--rows value, --batch examples per device (global batch S x batch), "
                       "each --rw-exchange side by side; prints per-device work and bytes")
+  p.add_argument("--id-policy", nargs="+", default=["hash"], choices=["hash", "managed"],
+                 help="raw ids hashed into range or managed (a map per table, managed.py); "
+                      "several: side by side at the same table rows (rounded to --probe)")
+  p.add_argument("--probe", type=int, default=8, help="managed: rows per probe window")
+  p.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
   p.add_argument("--rw-exchange", nargs="+", default=["a2a"], choices=["a2a", "broadcast"],
                  help="row-wise lookups by owner (all_to_all) or by broadcast (all_gather)")
   args = p.parse_args(argv)
@@ -175,6 +200,8 @@ def main(argv=None):
   # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
   # then timed in interleaved rounds, so that load from other processes drifts
   # over all sizes alike and their ratio stays meaningful.
+  if len(args.id_policy) > 1 or args.id_policy != ["hash"]:
+    return policy_series(args)
   modes = args.freeze_by if args.freeze else ["drop"]
   runs = [setup(rows, args, mode) for rows in args.rows for mode in modes]
   for i in range(args.steps):
@@ -200,6 +227,29 @@ def main(argv=None):
   elif len(results) > 1 and not args.json:
     print(f"ratio largest/smallest median: "
           f"{results[-1]['step_ms_median'] / results[0]['step_ms_median']:.2f}")
+  return results
+
+
+def policy_series(args) -> list[dict]:
+  """Each size under each id policy, timed in interleaved rounds: managed / hash per size."""
+  runs = [setup(rows, args, id_policy=pol) for rows in args.rows for pol in args.id_policy]
+  for i in range(args.steps):
+    for run in runs:
+      timed_step(run, i)
+  results = [summary(run, args) for run in runs]
+  for r in results:
+    if args.json:
+      print(json.dumps(r), flush=True)
+    else:
+      print(f"rows {r['rows']:>11,d} {r['id_policy']:>8}: step median {r['step_ms_median']:.1f} "
+            f"ms (min {r['step_ms_min']:.1f}), map {r['map_bytes_measured']:,d} B "
+            f"({r['map_bytes_measured'] / (r['table_rows'] * args.tables):.1f} B/row), "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+  if not args.json and len(args.id_policy) > 1:
+    for rows in args.rows:
+      by = {r["id_policy"]: r["step_ms_median"] for r in results if r["rows"] == rows}
+      a, b = args.id_policy[0], args.id_policy[-1]
+      print(f"rows {rows:,d}: {b} / {a} median {by[b] / by[a]:.2f}")
   return results
 
 
