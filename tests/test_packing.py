@@ -16,13 +16,15 @@ def test_plan_places_every_history_once():
   plan = pack_plan(lengths, 8)
   assert plan.rows == 4 and plan.valid.sum() == lengths.sum()  # 27 tokens in 4 rows of 8
   for i, n in enumerate(lengths):
-    got = np.argwhere(plan.seg == i)
+    got = np.argwhere(plan.user == i)
     assert len(got) == n
     if n:
       assert (got[:, 0] == plan.row[i]).all()  # one row, contiguous, positions 0..n-1
-      np.testing.assert_array_equal(plan.pos[plan.seg == i], np.arange(n))
+      np.testing.assert_array_equal(plan.pos[plan.user == i], np.arange(n))
+      assert len(np.unique(plan.seg[plan.user == i])) == 1  # one segment per history
   assert plan.row[1] == -1  # the empty history takes no token
-  assert (plan.seg[~plan.valid] == -1).all()
+  assert (plan.user[~plan.valid] == -1).all()
+  assert (np.diff(plan.seg, axis=1) >= 0).all()  # segment ids increase along each row
   assert pack_plan(lengths, 8, num_rows=5).rows == 5
   with pytest.raises(ValueError, match="only 3 allowed"):
     pack_plan(lengths, 8, num_rows=3)

@@ -9,10 +9,12 @@ of T tokens each, so that padding costs at most the unfilled tail of each row:
   seg, pos, valid = plan.seg, plan.pos, plan.valid           # (R, T) each
   y = unpack(y_p, plan, L)          # (R, T, ...) -> (N, L, ...), 0 at padding
 
-Row r, token t holds event plan.pos[r, t] of user plan.seg[r, t] (valid tokens) or
-padding (valid False, seg -1, pos 0). Attention masked to seg_q == seg_k with in-segment
-positions gives each history exactly its padded-row result (tests/test_hstu.py,
-tests/test_attention_chunked.py).
+Row r, token t holds event plan.pos[r, t] of user plan.user[r, t] (valid tokens) or
+padding (valid False, user -1, pos 0). plan.seg numbers the histories of each row
+0, 1, 2, ... along the row (the tail padding gets the next number), so segment ids
+increase along a row and the chunked attention skips tiles of disjoint segments.
+Attention masked to seg_q == seg_k with in-segment positions gives each history exactly
+its padded-row result (tests/test_packing.py, tests/test_hstu.py).
 
 Bad input, defined:
   * a history longer than the maximum: the most recent `max_len` events are kept
@@ -64,23 +66,25 @@ class PackPlan:
   """Where every history goes. N users, R rows of T tokens.
 
   row, offset: (N,) the row of user i and the token where it starts (-1, 0 when empty).
-  seg, pos: (R, T) int32 user and in-history position of each token (-1, 0 at padding).
+  user, pos: (R, T) int32 user and in-history position of each token (-1, 0 at padding).
+  seg: (R, T) int32 segment number within the row, increasing along it.
   valid: (R, T) bool.
   """
   row: np.ndarray
   offset: np.ndarray
   lengths: np.ndarray
+  user: np.ndarray
   seg: np.ndarray
   pos: np.ndarray
   valid: np.ndarray
 
   @property
   def rows(self) -> int:
-    return self.seg.shape[0]
+    return self.user.shape[0]
 
   @property
   def capacity(self) -> int:
-    return self.seg.shape[1]
+    return self.user.shape[1]
 
   @property
   def fill(self) -> float:
@@ -116,19 +120,21 @@ def pack_plan(lengths, capacity: int, num_rows: int | None = None) -> PackPlan:
   if len(free) > rows:
     raise ValueError(f"{int(lengths.sum())} tokens of {n} histories need {len(free)} rows of "
                      f"{capacity}, only {rows} allowed")
-  seg = np.full((rows, capacity), -1, np.int32)
+  user = np.full((rows, capacity), -1, np.int32)
   pos = np.zeros((rows, capacity), np.int32)
   for i in np.flatnonzero(row >= 0):
     sl = slice(offset[i], offset[i] + lengths[i])
-    seg[row[i], sl] = i
+    user[row[i], sl] = i
     pos[row[i], sl] = np.arange(lengths[i])
-  return PackPlan(row, offset, lengths, seg, pos, seg >= 0)
+  starts = np.concatenate([np.ones((rows, 1), bool), user[:, 1:] != user[:, :-1]], axis=1)
+  seg = (np.cumsum(starts, axis=1) - 1).astype(np.int32)  # 0, 1, .. along each row
+  return PackPlan(row, offset, lengths, user, seg, pos, user >= 0)
 
 
 def pack(x: jax.Array, plan: PackPlan) -> jax.Array:
   """(N, L, ...) padded histories -> (R, T, ...) packed rows (0 at padding tokens)."""
   N, L = x.shape[:2]
-  src = np.where(plan.valid, plan.seg.astype(np.int64) * L + plan.pos, 0)  # (R, T)
+  src = np.where(plan.valid, plan.user.astype(np.int64) * L + plan.pos, 0)  # (R, T)
   flat = x.reshape((N * L,) + x.shape[2:])
   out = jnp.take(flat, jnp.asarray(src), axis=0)  # (R, T, ...)
   m = jnp.asarray(plan.valid).reshape(plan.valid.shape + (1,) * (x.ndim - 2))
