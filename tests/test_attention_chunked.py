@@ -195,3 +195,23 @@ def test_sdpa_route_matches_dense(mask, recent_first):
   v_ = np.asarray(valid) if mask == "causal" else np.ones(valid.shape, bool)
   np.testing.assert_allclose(np.asarray(os_)[v_], np.asarray(od)[v_], rtol=1e-5, atol=1e-5)
   assert float(jnp.abs(os_[2]).max()) == 0.0
+
+
+def test_tile_pairs_without_allowed_entries_are_skipped():
+  """The skip table: causal keeps one triangle of tile pairs, packed segments the tiles
+  whose segment ranges meet, and a key tile without valid keys is skipped in every row."""
+  from gem_jax.layers.chunked import Bias, _Cfg, _tiles
+  n, c = 32, 8
+  q = jnp.zeros((1, n, 1, 4))
+  valid = jnp.arange(n)[None] < 28  # the last tile has 4 valid keys, none past 28
+  cfg = _Cfg("softmax", 1.0, 1.0, True, True, c)
+  _, _, need, _ = _tiles(cfg, q, q, q, valid, Bias())
+  np.testing.assert_array_equal(np.asarray(need), np.triu(np.ones((4, 4), bool)))
+  _, _, need, _ = _tiles(cfg._replace(recent_first=False), q, q, q, valid, Bias())
+  np.testing.assert_array_equal(np.asarray(need), np.tril(np.ones((4, 4), bool)))
+  seg = jnp.asarray(np.repeat([0, 1, 2, 3], 8))[None]  # one history per tile
+  _, _, need, _ = _tiles(cfg._replace(causal=False), q, q, q, valid, Bias(seg_q=seg, seg_k=seg))
+  np.testing.assert_array_equal(np.asarray(need), np.eye(4, dtype=bool))
+  _, _, need, _ = _tiles(cfg._replace(causal=False), q, q, q, jnp.arange(n)[None] < 16,
+                         Bias())
+  np.testing.assert_array_equal(np.asarray(need), np.array([[1, 1, 0, 0]] * 4, bool))
