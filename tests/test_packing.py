@@ -87,3 +87,17 @@ def test_hstu_on_packed_rows_equals_padded_rows():
   gp = jax.grad(lambda x: jnp.sum(packed(x) * w))(x)
   gd = jax.grad(lambda x: jnp.sum(padded(x) * w))(x)
   np.testing.assert_allclose(np.asarray(gp)[v], np.asarray(gd)[v], rtol=1e-5, atol=1e-5)
+
+
+def test_balance_gives_equal_histories_and_near_equal_events():
+  from gem_jax.data.packing import balance
+  rng = np.random.default_rng(0)
+  lengths = np.clip(np.round(rng.lognormal(np.log(300), 1.0, 64)), 1, 4096).astype(int)
+  perm = balance(lengths, 8)
+  assert sorted(perm) == list(range(64))
+  per_shard = lengths[perm].reshape(8, 8).sum(1)
+  assert per_shard.max() - per_shard.min() <= lengths.max()
+  naive = lengths.reshape(8, 8).sum(1)
+  assert per_shard.max() - per_shard.min() < naive.max() - naive.min()
+  with pytest.raises(ValueError, match="equal shards"):
+    balance(lengths[:63], 8)

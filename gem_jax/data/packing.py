@@ -16,6 +16,11 @@ increase along a row and the chunked attention skips tiles of disjoint segments.
 Attention masked to seg_q == seg_k with in-segment positions gives each history exactly
 its padded-row result (tests/test_packing.py, tests/test_hstu.py).
 
+Across devices, `balance(lengths, shards)` orders a batch so that each of `shards` equal
+slices gets the same number of histories and nearly the same number of events (sorted by
+length, dealt out in a snake order 0..S-1, S-1..0, ...: the slices' event counts differ by
+at most the longest history).
+
 Bad input, defined:
   * a history longer than the maximum: the most recent `max_len` events are kept
     (positions [0, max_len)), and the number of truncated histories and events is
@@ -129,6 +134,26 @@ def pack_plan(lengths, capacity: int, num_rows: int | None = None) -> PackPlan:
   starts = np.concatenate([np.ones((rows, 1), bool), user[:, 1:] != user[:, :-1]], axis=1)
   seg = (np.cumsum(starts, axis=1) - 1).astype(np.int32)  # 0, 1, .. along each row
   return PackPlan(row, offset, lengths, user, seg, pos, user >= 0)
+
+
+def balance(lengths, shards: int) -> np.ndarray:
+  """A permutation of the N = shards * m histories: perm.reshape(shards, m)[s] are shard s's.
+
+  Longest first, dealt 0, 1, .., S-1, S-1, .., 0, 0, 1, ..: every shard gets m histories,
+  and shard event counts differ by at most max(lengths).
+  """
+  lengths = np.asarray(lengths, np.int64)
+  n = lengths.shape[0]
+  if n % shards:
+    raise ValueError(f"{n} histories do not split into {shards} equal shards")
+  order = np.argsort(-lengths, kind="stable")  # (N,)
+  r = np.arange(n)
+  rnd, k = r // shards, r % shards
+  shard = np.where(rnd % 2 == 0, k, shards - 1 - k)  # snake
+  slot = rnd  # position within the shard
+  perm = np.empty(n, np.int64)
+  perm[shard * (n // shards) + slot] = order
+  return perm
 
 
 def pack(x: jax.Array, plan: PackPlan) -> jax.Array:
