@@ -26,6 +26,7 @@ import pytest
 
 from gem_jax.bench.runner import load_config
 from gem_jax.data.synthetic import SyntheticSource, rank_auc
+from gem_jax import embedding as emb_lib
 from gem_jax.embedding.ids import hash_ids
 from gem_jax.serving import export, load, loader
 from gem_jax.train import evaluate
@@ -53,18 +54,31 @@ def _fresh_model(name: str, batch: int = 64, **changes) -> predict.Model:
 # ----------------------------------------------------------------------- parity --
 
 PER_TABLE = {"embedding.per_table": "user: dim=4, dtype=bfloat16; ad: dim=12"}
+MANAGED = {"embedding.per_table": "*: id_policy=managed, eviction=lfu"}
 
 
 @pytest.mark.parametrize("name, changes", [("gem", {}), ("dlrm", {}), ("dcnv2", {}),
-                                           ("dlrm", PER_TABLE)], ids=["gem", "dlrm", "dcnv2",
-                                                                      "dlrm-per-table"])
+                                           ("dlrm", PER_TABLE),
+                                           pytest.param("dlrm", MANAGED, marks=pytest.mark.slow)],
+                         ids=["gem", "dlrm", "dcnv2", "dlrm-per-table", "dlrm-managed"])
 def test_exported_logits_match_the_eval_step(name, changes, tmp_path):
   """fp32 artifacts of fresh models; 'dlrm-per-table': tables of other widths, one stored
-  in bf16 in training (its rows pooled in bf16, as the sharded lookup does)."""
+  in bf16 in training (its rows pooled in bf16, as the sharded lookup does);
+  'dlrm-managed': managed tables whose maps saw another batch (half its ids are new)."""
   model = _fresh_model(name, **changes)
   s, state = model.setup, model.state
-  batch = next(iter(s.eval_src.batches(64, seed=0, repeat=False)))
+  batches = iter(s.eval_src.batches(64, seed=0, repeat=False))
+  batch = next(batches)
   dev = setup_lib.device_putter(s.eval_plan, s.mesh)(batch)
+  if s.plan.managed_tables():   # the maps learn the ids of another batch and half of this one
+    seen = {k: v.copy() for k, v in next(batches)["ids"].items()}
+    for k in seen:
+      seen[k][::2] = batch["ids"][k][::2]
+    ids = setup_lib.device_putter(s.eval_plan, s.mesh)({"ids": seen})["ids"]
+    emb, _, _ = jax.jit(lambda e, i: emb_lib.managed.resolve(s.eval_plan, e, i, 0))(state.emb,
+                                                                                   ids)
+    state = state.replace(emb=emb)
+    model = predict.Model(s, state, 0)
   sh = jax.tree.map(lambda x: x.sharding, dev)
   ref = jax.device_get(predict.forward_fn(model, sh)(state, dev))["logits"]
   acc = jax.device_get(evaluate.jit_eval_step(s.eval_cfg, s.shardings, sh)(state, dev))

@@ -414,3 +414,25 @@ def step_metrics(plan: EmbeddingPlan, counters: dict) -> dict:
                           / jnp.maximum(ids, 1).astype(jnp.float32))
     out["mc_collisions"] = sum(c["collisions"] for c in counters.values()).astype(jnp.float32)
   return out
+
+
+# ---- host side (serving) -------------------------------------------------------------
+def host_map(map_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """A canonical map's raw ids (rows,) int64 (-1 = empty, `join_ids` of map_hi/map_lo) ->
+  (its ids ascending, their rows): the lookup table of `host_rows`."""
+  map_ids = np.asarray(map_ids, np.int64)
+  rows = np.flatnonzero(map_ids >= 0)
+  order = np.argsort(map_ids[rows], kind="stable")
+  return map_ids[rows][order], rows[order].astype(np.int32)
+
+
+def host_rows(raw: np.ndarray, lookup: tuple[np.ndarray, np.ndarray], feature: str,
+              table: str) -> np.ndarray:
+  """Raw ids -> int32 rows by a `host_map` lookup: the map's row, -1 for padding and for ids
+  not in the map (never seen or evicted: zero embeddings). Bad ids raise as `split_ids`."""
+  x = join_ids(split_ids(raw, feature, table))
+  keys, rows = lookup
+  if not len(keys):
+    return np.full(x.shape, -1, np.int32)
+  pos = np.minimum(np.searchsorted(keys, x), len(keys) - 1)
+  return np.where((x >= 0) & (keys[pos] == x), rows[pos], -1).astype(np.int32)

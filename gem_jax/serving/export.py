@@ -7,6 +7,7 @@
   ART/score_64.jaxexport         symbolic batch 'b' or for each stated batch size
   ART/params.npz                 dense parameters (and other model variables) by path
   ART/tables/<table>.<leaf>.npy  tables: weight (fp32 | bf16 as uint16 bits) or q + scale
+  ART/tables/<table>.map_ids.npy managed tables: the raw id of every row (int64, -1 empty)
 
 The scoring function is the eval forward on one device, over whole tables:
 
@@ -45,6 +46,8 @@ UNSEEN_IDS = {
             "of the training ids that share its bucket",
     "clip": "ids >= rows read the last row (shared by all of them)",
     "error": "an id >= rows is refused: predict raises ValueError naming the feature and id",
+    "managed": "ids in the training map read their rows; ids not in it (never seen, or "
+               "evicted) read zero rows, as padding",
 }
 
 
@@ -64,6 +67,14 @@ def host_tables(model: Model) -> dict[str, np.ndarray]:
   """{table: fp32 weight (rows, D)}: the canonical tables, gathered on the host."""
   canon = emb_lib.export_state(model.setup.plan, model.state.emb)
   return {t: np.asarray(v["weight"], np.float32) for t, v in canon.items()}
+
+
+def host_maps(model: Model) -> dict[str, np.ndarray]:
+  """{managed table: int64 (rows,) raw id of each row, -1 = empty}."""
+  canon = emb_lib.export_state(model.setup.plan, model.state.emb)
+  return {t: emb_lib.managed.join_ids(np.stack([np.asarray(v["map_hi"]),
+                                                np.asarray(v["map_lo"])], -1))
+          for t, v in canon.items() if "map_hi" in v}
 
 
 def input_signature(spec, features: dict, b) -> dict:
@@ -150,6 +161,7 @@ def export_artifact(model: Model, out: str, *, batch_sizes: Sequence[int] | None
   params, keys, treedef = host_params(model)
   stored, table_meta = {}, {}
   os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+  maps = host_maps(model)
   for name, w in host_tables(model).items():
     arrays, err = quantize.quantize(w, table_dtype)
     t = s.plan.tables[name]
@@ -164,6 +176,9 @@ def export_artifact(model: Model, out: str, *, batch_sizes: Sequence[int] | None
                         "unseen_ids": UNSEEN_IDS[t.id_policy], "dtype": table_dtype,
                         "files": files, "error": err,
                         "bytes": quantize.bytes_per_row(table_dtype, t.dim) * t.rows}
+    if name in maps:   # raw id of every row (-1: empty): the loader maps ids as training did
+      table_meta[name]["map"] = f"tables/{name}.map_ids.npy"
+      np.save(os.path.join(out, table_meta[name]["map"]), maps[name])
   np.savez(os.path.join(out, "params.npz"), **params)
 
   fn = jax.jit(scoring_fn(model, keys, treedef, table_dtype, trunk))

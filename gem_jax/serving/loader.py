@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gem_jax.embedding import managed
 from gem_jax.embedding.ids import apply_id_policy
 
 FORMAT = "gem_jax.serving"
@@ -77,8 +78,10 @@ class Predictor:
   """`predict(batch) -> probs (B, T)` of a loaded artifact; `outputs(batch)` -> every output
   ('probs', 'logits' (B, T), and 'trunk' (B, H) when exported)."""
 
-  def __init__(self, path: str, manifest: dict, fns: dict, params: dict, tables: dict):
+  def __init__(self, path: str, manifest: dict, fns: dict, params: dict, tables: dict,
+               maps: dict | None = None):
     self.path, self.manifest = path, manifest
+    self._maps = maps or {}   # managed tables: `managed.host_map` lookups
     self.tasks = tuple(manifest["spec"]["tasks"])
     self._fns, self._params, self._tables = fns, params, tables
     self._sizes = sorted(k for k in fns if k is not None)
@@ -99,7 +102,10 @@ class Predictor:
       raw = np.asarray(_field(batch, ("ids", name), out["ids"][name].shape, None))
       if not np.issubdtype(raw.dtype, np.integer):
         raise ValueError(f"batch field 'ids/{name}': ids must be integers, got {raw.dtype}")
-      out["ids"][name] = apply_id_policy(raw, t["rows"], t["id_policy"], name, f["table"])
+      if t["id_policy"] == "managed":   # through the training map
+        out["ids"][name] = managed.host_rows(raw, self._maps[f["table"]], name, f["table"])
+      else:
+        out["ids"][name] = apply_id_policy(raw, t["rows"], t["id_policy"], name, f["table"])
       w = (batch.get("weights") or {}).get(name)
       out["weights"][name] = (np.ones(raw.shape, np.float32) if w is None else _finite(
           _field(batch, ("weights", name), raw.shape, np.float32), f"weights/{name}"))
@@ -188,9 +194,11 @@ def load(path: str, device: Any = None) -> Predictor:
   tables = {name: {leaf: put(_load_array(os.path.join(path, file), t["dtype"]))
                    for leaf, file in t["files"].items()}
             for name, t in m["tables"].items()}
+  maps = {name: managed.host_map(np.load(os.path.join(path, t["map"])))
+          for name, t in m["tables"].items() if "map" in t}
   fns = {}
   for size, file in m["functions"].items():
     with open(os.path.join(path, file), "rb") as f:
       exported = jax.export.deserialize(bytearray(f.read()))
     fns[None if size == "b" else int(size)] = jax.jit(exported.call)
-  return Predictor(path, m, fns, params, tables)
+  return Predictor(path, m, fns, params, tables, maps)
