@@ -204,10 +204,11 @@ def _distinct(g, windows: int, w=None):
 def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, update: bool,
                    w=None):
   """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
-  among them; `w` (M,): occurrences of each, default 1) -> (state, global row per input
-  position (M,), -1 for ids of other owners
-  and ids left without a row; local counts (7,): ids, hits, inserts, evictions, expired,
-  collisions, inserts into empty rows). No collective inside."""
+  among them; `w` (M,): occurrences of each, default 1), read against its map `st` ->
+  (global row per input position (M,), -1 for other owners' ids and ids left without a
+  row; local counts (7,): ids, hits, inserts, evictions, expired, collisions, inserts
+  into empty rows; the writes (map rows (M,), rps = none, their hi, lo, count; rows to
+  re-initialise (M,) and their fresh values (M, D))). No collective inside."""
   buf = plan.buffers[plan.buffer_of[t.name]]
   K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
   shard = jax.lax.axis_index("shard")
@@ -232,7 +233,9 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
     return jnp.zeros((M,), jnp.int32).at[src].set(glob[did])
 
   if not update:
-    return st, by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32)
+    nothing = jnp.full((M,), rps, jnp.int32)
+    dec = (nothing, d_hi, d_lo, occ, nothing, jnp.zeros((M, t.dim), jnp.float32))
+    return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec
   wseg = jnp.cumsum(jnp.concatenate([jnp.ones((1,), bool), d_win[1:] != d_win[:-1]])) - 1
   taken = jax.ops.segment_max(match.astype(jnp.int32), wseg, M, indices_are_sorted=True)[wseg]
   miss = mine & ~hit
@@ -259,33 +262,21 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
 
   upd = jnp.where(hit | put, local, rps)                                   # rps: dropped
   cnt = jnp.where(hit, jnp.take_along_axis(m_cnt, hit_k[:, None], axis=1)[:, 0], 0) + occ
-  out = dict(st)
-  out["map_hi"] = st["map_hi"].at[upd].set(d_hi, mode="drop")
-  out["map_lo"] = st["map_lo"].at[upd].set(d_lo, mode="drop")
-  out["map_last"] = st["map_last"].at[upd].set(jnp.broadcast_to(step, (M,)), mode="drop")
-  out["map_count"] = st["map_count"].at[upd].set(cnt, mode="drop")
   reset = jnp.where(put, local, rps)                                       # rows re-initialised
-  fresh = _fresh_rows(t, key, shard * rps + jnp.maximum(local, 0))
-  out["weight"] = st["weight"].at[reset].set(fresh.astype(st["weight"].dtype), mode="drop")
-  if "accumulator" in st:
-    out["accumulator"] = st["accumulator"].at[reset].set(buf.optimizer.initial_accumulator,
-                                                         mode="drop")
-  for s in ("m", "v"):
-    if s in st:
-      out[s] = st[s].at[reset].set(0.0, mode="drop")
+  fresh = _fresh_rows(t, key, shard * rps + jnp.maximum(local, 0))         # (M, D)
   counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
       mine, hit, put, put & (vic_cls == 2), put & (vic_cls == 1), miss & ~put,
       put & (vic_cls == 0))])
-  return out, by_position(local), counts
+  return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset, fresh)
 
 
 def _route_broadcast(plan, t, st, x, step, key, update):
   """Every device resolves the whole global batch's ids of its windows (any skew)."""
   g = jax.lax.all_gather(x, BATCH, axis=0, tiled=True)                     # (N, 2) global
-  st, row, counts = _owner_resolve(plan, t, st, g, step, key, update)
+  row, counts, dec = _owner_resolve(plan, t, st, g, step, key, update)
   row = jax.lax.psum(row + 1, "shard") - 1                                 # (N,) one owner each
   n = x.shape[0]
-  return st, jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), counts
+  return jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), counts, dec
 
 
 def _owners(plan, t, x):
@@ -298,7 +289,7 @@ def _owners(plan, t, x):
   return (src, did, d_hi, d_lo, occ, owner), edges
 
 
-def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges):
+def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges, pad: bool = False):
   """Each device's distinct ids to the owners of their windows (all_to_all, C per pair),
   gathered over 'replica' (each owner sees its windows' ids of the whole batch), resolved,
   rows sent back along the same routes. `local`, `edges`: `_owners(plan, t, x)`."""
@@ -313,13 +304,18 @@ def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges):
   recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)               # (S, C, 3) asked of me
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=False)         # (R, S, C, 3)
   flat = every.reshape(-1, 3)
-  st, row, counts = _owner_resolve(plan, t, st, flat[:, :2], step, key, update, flat[:, 2])
+  row, counts, dec = _owner_resolve(plan, t, st, flat[:, :2], step, key, update, flat[:, 2])
   mine = row.reshape(every.shape[:3])[jax.lax.axis_index("replica")]       # (S, C) my group's
   back = jax.lax.all_to_all(mine, "shard", 0, 0, tiled=True)               # (S, C) my requests
   o = jnp.minimum(owner, S - 1)
   pos = jnp.arange(n, dtype=jnp.int32) - start[o]                          # (n,) place in run
   d_row = jnp.where(owner < S, back[o, jnp.clip(pos, 0, C - 1)], -1)       # per distinct id
-  return st, jnp.zeros((n,), jnp.int32).at[src].set(d_row[did]), counts
+  if pad:   # to the broadcast path's shapes (the two branches of one lax.cond)
+    N, rps = plan.num_replicas * S * n, plan.buffers[plan.buffer_of[t.name]].local_rows
+    fill = (rps, 0, 0, 0, rps, 0)
+    dec = tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
+                for d, v in zip(dec, fill))
+  return jnp.zeros((n,), jnp.int32).at[src].set(d_row[did]), counts, dec
 
 
 def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update=True):
@@ -331,15 +327,32 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   """
   S, n = plan.num_shards, x.shape[0]
   C = layout.rw_capacity(n, S, n)
+  # The routes only read the map and return what to write (batch-sized): table-sized
+  # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
+  maps = {k: st[k] for k in MAP_LEAVES if k != "map_used"}
   if S == 1 or plan.rw_exchange == "broadcast":
-    st, rows, counts = _route_broadcast(plan, t, st, x, step, key, update)
+    rows, counts, dec = _route_broadcast(plan, t, maps, x, step, key, update)
   else:
     local, edges = _owners(plan, t, x)
     over = jax.lax.pmax(jnp.any(jnp.diff(edges) > C).astype(jnp.int32), BATCH) > 0
-    st, rows, counts = jax.lax.cond(
-        over, lambda s: _route_broadcast(plan, t, s, x, step, key, update),
-        lambda s: _route_a2a(plan, t, s, x, step, key, update, C, local, edges), st)
-  return st, rows, jax.lax.psum(counts, "shard")
+    rows, counts, dec = jax.lax.cond(
+        over, lambda m: _route_broadcast(plan, t, m, x, step, key, update),
+        lambda m: _route_a2a(plan, t, m, x, step, key, update, C, local, edges, True), maps)
+  out = dict(st)
+  if update:   # the map writes; rows taken by new ids restart: fresh weights, default slots
+    upd, hi, lo, cnt, reset, fresh = dec
+    out["map_hi"] = st["map_hi"].at[upd].set(hi, mode="drop")
+    out["map_lo"] = st["map_lo"].at[upd].set(lo, mode="drop")
+    out["map_last"] = st["map_last"].at[upd].set(jnp.broadcast_to(step, upd.shape), mode="drop")
+    out["map_count"] = st["map_count"].at[upd].set(cnt, mode="drop")
+    out["weight"] = st["weight"].at[reset].set(fresh.astype(st["weight"].dtype), mode="drop")
+    if "accumulator" in st:
+      acc0 = plan.buffers[plan.buffer_of[t.name]].optimizer.initial_accumulator
+      out["accumulator"] = st["accumulator"].at[reset].set(acc0, mode="drop")
+    for s in ("m", "v"):
+      if s in st:
+        out[s] = st[s].at[reset].set(0.0, mode="drop")
+  return out, rows, jax.lax.psum(counts, "shard")
 
 
 def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True):
