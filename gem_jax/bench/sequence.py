@@ -8,7 +8,8 @@ on the histories of `batch` users whose lengths are log-normal (median `median`,
   dense:   padded (batch, L) rows, (L, L) scores (AttentionImpl 'dense');
   chunked: the same padded rows, chunked attention (memory linear in L);
   packed:  the same histories packed into R rows of L tokens (`gem_jax.data.packing`),
-           chunked attention masked to each history's segment.
+           chunked attention masked to each history's segment (layer='hstu' only: the
+           transformer block takes no segment ids).
 
 Per (L, mode): median step time over `repeats` timed steps (after one warm-up), the
 compiled memory analysis (temporaries, arguments + outputs), real tokens per step (sum of
@@ -104,6 +105,8 @@ def _inputs(s: Setup, lengths: np.ndarray, L: int, mode: str, rng):
 
 def run_one(s: Setup, L: int, mode: str, lengths: np.ndarray) -> dict:
   """One (L, mode) measurement (module docstring)."""
+  if mode == "packed" and s.layer != "hstu":
+    raise ValueError("packed rows need segment masks: only layer='hstu' takes them here")
   rng = np.random.default_rng(s.seed + 1)
   impl = AttentionImpl("dense" if mode == "dense" else "chunked", chunk_size=s.chunk)
   model = Stack(s, impl, L, rngs=nnx.Rngs(s.seed))
