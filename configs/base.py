@@ -87,7 +87,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.embedding = ml_collections.ConfigDict()
   c.embedding.dim = 16                # embedding width of every table
   c.embedding.optimizer = "rowwise_adagrad"  # table optimizer: rowwise_adagrad | adam | sgd
-  c.embedding.lr = 0.05               # table learning rate
+  c.embedding.lr = ml_collections.config_dict.placeholder(float)  # table learning rate; unset:
+                                      # the model's own for rowwise_adagrad (train/setup.py MODELS)
   c.embedding.warmup_steps = 0        # linear warm-up of the table learning rate
   c.embedding.sharding = "auto"       # auto | table_wise | row_wise | column_wise | replicated
   c.embedding.id_policy = "hash"      # raw ids -> rows: hash | clip | error (ids are rows)
@@ -135,6 +136,7 @@ def student_config() -> ml_collections.ConfigDict:
   """The student schema (gem_jax.transfer.train): the trainer's data, embedding and optim
   blocks; its own model and train blocks; knowledge, teacher and transfer."""
   c = get_config()
+  c.embedding.lr = 0.05               # the student's table learning rate (row-wise Adagrad)
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"             # GEM preset of the Student's front end
   c.model.dtype = "float32"           # compute dtype

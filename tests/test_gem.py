@@ -27,8 +27,7 @@ def feature_dims(d):
 def tiny():
   cfg = get_config("tiny")
   fd = feature_dims(cfg.d_model)
-  model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))
-  model.trunk_gate[...] = jnp.full((1,), 0.7)  # as after training (it starts at 0: ReZero)
+  model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))  # no trunk gate (the default): deep path open
   graphdef, state = nnx.split(model)
   fwd = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, return_aux=True))
   return cfg, fd, model, state, fwd
@@ -37,7 +36,7 @@ def tiny():
 def test_trunk_gate_starts_closed_and_opens():
   """At init the deep features reach the trunk scaled by 0 (logits depend on the front-end
   pairs and heads only), and the gate's gradient is nonzero, so training opens it."""
-  cfg = get_config("tiny")
+  cfg = get_config("tiny", trunk_gate=True)
   fd = feature_dims(cfg.d_model)
   model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))
   assert float(model.trunk_gate[...][0]) == 0.0

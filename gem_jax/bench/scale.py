@@ -28,6 +28,7 @@ class ModelFacts:
 
 
 def model_facts(config) -> ModelFacts:
+  setup_lib.resolve_table_lr(config)
   train_src, _, shared = setup_lib.sources(config)
   spec = train_src.spec
   tables, features = setup_lib.embedding_configs(spec, config.embedding, shared)

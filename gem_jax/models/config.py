@@ -39,7 +39,8 @@ class GEMConfig:
       front-end tokens (default True; docs/RESULTS.md "Interaction benchmark" says why).
     trunk_gate: with trunk_pairs, the deep features (X_N, X_sum, S_sum, T_i) enter the trunk
       scaled by a learned scalar that starts at 0 (ReZero), so training starts from the pairs
-      (default True; without it the LayerNorm'd deep features swamp the pairs early on).
+      (default False: it helped at table lr 0.05, and costs 0.005 AUC at GEM's tuned 0.2;
+      docs/RESULTS.md "Table learning rates").
       token_mix, trunk_pairs and trunk_gate are GEM's: the student's stack reads its raw
       tokens and its trunk only the last Wukong layer.
     cross_layer: cross-layer attention between blocks (GEM.md §3.1 proposal).
@@ -78,7 +79,7 @@ class GEMConfig:
   wukong_fm: str = "projected"
   token_mix: bool = True
   trunk_pairs: bool = True
-  trunk_gate: bool = True
+  trunk_gate: bool = False
   cross_layer: bool = True
   num_heads: int = 2
   ffn_mult: int = 2

@@ -242,10 +242,12 @@ def resolve_steps(config, train_src) -> int:
 # ------------------------------------------------------------------ models --
 
 class ModelEntry(NamedTuple):
-  """A model name of `config.model.name`: its class and its forward FLOPs per example."""
+  """A model name of `config.model.name`: its class, its forward FLOPs per example and the
+  table learning rate it trains best with (`config.embedding.lr` unset)."""
   module: str          # imported when the model is built
   cls: str
   flops: Callable[[Any, DataSpec, dict], float]   # (GEMConfig, spec, feature dims) -> FLOPs
+  table_lr: float = 0.05
 
 
 def _gem_flops(cfg, spec, dims) -> float:
@@ -271,19 +273,37 @@ def _fm_flops(name: str) -> Callable:
   return flops
 
 
+# table_lr: the best row-wise Adagrad lr of {0.05, 0.1, 0.15, 0.2, 0.4} on planted pair data
+# (320k rows of the quality benchmark's seed 0, one pass; docs/RESULTS.md "Table learning rates").
 MODELS: dict[str, ModelEntry] = {
-    "gem": ModelEntry("gem_jax.models.gem", "GEM", _gem_flops),
-    "dlrm": ModelEntry("gem_jax.models.dlrm", "DLRM", _dlrm_flops("dot")),
-    "dcnv2": ModelEntry("gem_jax.models.dlrm", "DCNv2", _dlrm_flops("dcn")),
-    "lr": ModelEntry("gem_jax.models.linear", "LinearModel", _linear_flops),
-    "fm": ModelEntry("gem_jax.models.fm", "FM", _fm_flops("fm_flops")),
-    "fwfm": ModelEntry("gem_jax.models.fm", "FwFM", _fm_flops("fwfm_flops")),
+    "gem": ModelEntry("gem_jax.models.gem", "GEM", _gem_flops, table_lr=0.2),
+    "dlrm": ModelEntry("gem_jax.models.dlrm", "DLRM", _dlrm_flops("dot"), table_lr=0.15),
+    "dcnv2": ModelEntry("gem_jax.models.dlrm", "DCNv2", _dlrm_flops("dcn"), table_lr=0.2),
+    "lr": ModelEntry("gem_jax.models.linear", "LinearModel", _linear_flops, table_lr=0.05),
+    "fm": ModelEntry("gem_jax.models.fm", "FM", _fm_flops("fm_flops"), table_lr=0.05),
+    "fwfm": ModelEntry("gem_jax.models.fm", "FwFM", _fm_flops("fwfm_flops"), table_lr=0.2),
 }
 
 
-def register_model(name: str, module: str, cls: str, flops: Callable) -> None:
+def register_model(name: str, module: str, cls: str, flops: Callable,
+                   table_lr: float = 0.05) -> None:
   """Adds a model name (e.g. an ablation defined outside the package, scripts/results.sh)."""
-  MODELS[name] = ModelEntry(module, cls, flops)
+  MODELS[name] = ModelEntry(module, cls, flops, table_lr)
+
+
+def resolve_table_lr(config) -> float:
+  """Sets an unset `config.embedding.lr` (None) to the model's row-wise Adagrad `table_lr`.
+
+  Returns the lr. The models' values were chosen on planted data (docs/RESULTS.md,
+  "Table learning rates"); other table optimizers need an explicit lr.
+  """
+  if config.embedding.lr is None:
+    if config.embedding.optimizer != "rowwise_adagrad":
+      raise ConfigError(f"config.embedding.lr is unset: set it for "
+                        f"embedding.optimizer={config.embedding.optimizer!r} (models carry a "
+                        "default for rowwise_adagrad only)")
+    config.embedding.lr = model_entry(config.model.name).table_lr
+  return config.embedding.lr
 
 
 def model_entry(name: str) -> ModelEntry:
@@ -431,6 +451,7 @@ def setup(config) -> Setup:
   Every config error surfaces here, before anything is compiled or allocated.
   """
   mesh = make_mesh(validate.check_config(config, jax.device_count()))
+  resolve_table_lr(config)
   train_src, eval_src, shared = sources(config)
   steps = resolve_steps(config, train_src)
   spec = train_src.spec

@@ -130,7 +130,7 @@ def check_embedding(spec, emb_cfg, shared: dict | None = None) -> None:
                          ("optimizer", emb_config.OPTIMIZERS)):
     if emb_cfg[field] not in allowed:
       _fail(f"config.embedding.{field}={emb_cfg[field]!r}: expected one of {allowed}")
-  if not float(emb_cfg.lr) > 0:
+  if emb_cfg.lr is not None and not float(emb_cfg.lr) > 0:
     _fail(f"config.embedding.lr={emb_cfg.lr} must be positive")
   feats = {f.name: f for f in spec.sparse}
   for f in spec.sparse:
