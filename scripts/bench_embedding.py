@@ -22,6 +22,14 @@ ways side by side: `drop` (the trainer's: `apply_sparse_updates(..., frozen=)`
 drops the frozen rows' updates) and `select` (update everything, then select the
 frozen rows back over the whole buffer: `transfer.student.keep_frozen_rows`).
 
+  python scripts/bench_embedding.py --rows 100000 10000000 --sharding row_wise \
+      --id-policy hash managed
+
+times managed-collision tables (a map per table, gem_jax/embedding/managed.py: the step
+resolves raw ids through it first) against hashed ones at the same table rows (rounded to
+whole probe windows), side by side, and reports the map's bytes (stated per row and
+measured on the state).
+
 Host memory: the script re-executes itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 (glibc >= 2.35) so that large buffers get transparent huge pages (on machines whose
 THP mode is 'madvise'); random row accesses into a multi-GB table then miss the
