@@ -129,8 +129,8 @@ def prepare_ids(plan: EmbeddingPlan, host_ids: Mapping[str, np.ndarray], *,
   global arrays by `jax.make_array_from_process_local_data`); the policies are
   per id, so a slice is prepared alone. Returns `{feature: int32 (B / P, bag)}`
   with -1 at padding (features of managed tables: int32 (B / P, bag, 2), the raw ids'
-  halves, `managed.split_ids`: the step maps them, `managed.resolve`); put a single process's batch on the mesh with
-  `jax.device_put(ids, plan.ids_shardings())`.
+  halves, `managed.split_ids`: the step maps them, `managed.resolve`); put a single
+  process's batch on the mesh with `jax.device_put(ids, plan.ids_shardings())`.
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count})")
