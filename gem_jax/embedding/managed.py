@@ -24,21 +24,27 @@ onto any mesh as it is. Per step, on the global batch's distinct ids, window by 
      it has rows not hit this step) gets no row: it is looked up as padding (zero
      embedding, no update) and counted in `collisions`. No two ids ever share a row.
 
-Routing (the row-wise lookup's owners). Every device all-gathers the ids of the
-global batch (B x bag raw ids of the table's features, as (hi, lo) int32 pairs) and
-sorts them by (window, id): every owner then sees, in the same order, every id of
-the windows it owns, so replicas apply identical map updates without exchanging
-them. Each owner resolves its windows (above) and a `psum` over 'shard' gives every
-device the row of every distinct id (exactly one owner contributes each).
-  Worked example (S = 2 shards, R = 1, rows 8, K = 2: windows 0-1 on shard 0, 2-3
-  on shard 1; b = 2, bag 1): device 0 holds ids [7, 9], device 1 [9, 4]. After the
-  all-gather both see [7, 9, 9, 4]; say w(7) = 1, w(9) = 1, w(4) = 3: sorted by
-  (window, id) the distinct ids are 7, 9 (window 1, shard 0), 4 (window 3, shard 1).
-  Shard 0 finds 9 in row 3 (a hit), inserts 7 into the free row 2; shard 1 inserts 4
-  into row 6. After the psum both devices know 7 -> 2, 9 -> 3, 4 -> 6: device 0
-  looks up rows [2, 3], device 1 rows [3, 6], by the ordinary row-wise exchange.
-Per device and step: B bag ids gathered (8 bytes each), one sort of them, K map
-entries read per distinct owned id: bounded by the batch, not the table.
+Routing (the row-wise lookup's owners, `_route_a2a`). Each device sorts its ids by
+(window, id) and deduplicates them; owners are contiguous in window order, so each
+owner's run is sent by one `all_to_all` of (S, C, 3) = (hi, lo, occurrences), C per
+(device, owner) as the row-wise capacity (`layout.rw_capacity`). Each owner all-gathers
+what its replicas received over 'replica', so every copy of a map sees, in the same
+(window, id) order, every id of its windows in the global batch and applies the same
+update without exchanging it. It resolves its windows (above) and the rows go back by
+the reverse `all_to_all`.
+  Worked example (R = 1, S = 2 shards, rows 8, K = 2: windows 0-1 on shard 0, 2-3 on
+  shard 1; b = 2, bag 1): device 0 holds ids [7, 9], device 1 [9, 4]; say w(7) = 1,
+  w(9) = 1, w(4) = 3. Device 0 sends [7, 9] to shard 0 and nothing to shard 1; device 1
+  sends [9] to shard 0 and [4] to shard 1. Shard 0 sees 7 (once) and 9 (twice): it
+  finds 9 in row 3 (a hit, count += 2) and inserts 7 into the free row 2; shard 1
+  inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
+  up by the ordinary row-wise exchange.
+When some pair has more than C distinct ids anywhere (one `pmax`), the step takes the
+broadcast path instead (`_route_broadcast`, exact for any skew): the global batch's ids
+all-gathered, every owner resolves its windows, one `psum` over 'shard' gives every
+device the row of every id. Both paths give the same rows and maps (tested). Per device
+and step: two sorts of about b x bag ids, K map entries read per id: bounded by the
+batch, not the table.
 
 Counters per table and step (int32, identical on every device): ids (distinct raw
 ids in the batch), hits, inserts, evictions (inserts that displaced a live id),
