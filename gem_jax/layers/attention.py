@@ -33,7 +33,8 @@ position bias pos_table[min(|p_i - p_j|, P - 1)] takes in-segment positions p.
 
 Implementations (`AttentionImpl`, all the same function): 'dense' builds the
 (B, H, Lq, Lk) scores; 'chunked' (`gem_jax.layers.chunked`) runs an online softmax
-over key chunks with a recomputing custom VJP, memory linear in L; 'cudnn' calls
+over query x key tiles (skipping tiles with nothing allowed) with a recomputing custom
+VJP, memory linear in L; 'cudnn' calls
 `jax.nn.dot_product_attention` (softmax, no bias or segments, 'full' or
 chronological 'causal', prefix-valid rows); 'auto' (default) is dense up to
 dense_max keys, above it cuDNN on GPU where that applies, else chunked.
