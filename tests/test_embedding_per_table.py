@@ -98,7 +98,8 @@ def test_config_per_table_settings():
   assert by["user"].dtype == jnp.bfloat16 and by["user"].dim == cfg.dim
   assert by["user"].optimizer is None                                    # the plan's
   for bad, msg in [("D*: dim=8", "pattern 'D\\*' matches no table"),
-                   ("C1: width=8", "keys are \\['dim', 'dtype', 'lr', 'optimizer'\\]"),
+                   ("C1: width=8", "keys are \\['dim', 'dtype', 'eviction', 'id_policy', 'lr', "
+                                   "'optimizer', 'probe', 'rows', 'ttl_steps'\\]"),
                    ("C1: dtype=float16", "dtype='float16' not in"),
                    ("C1: optimizer=lamb", "optimizer='lamb' not in"),
                    ("C1: dim=0", "dim and lr must be positive"),

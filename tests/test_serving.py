@@ -84,7 +84,9 @@ def test_exported_logits_match_the_eval_step(name, changes, tmp_path):
   acc = jax.device_get(evaluate.jit_eval_step(s.eval_cfg, s.shardings, sh)(state, dev))
   export.export_artifact(model, str(tmp_path / "art"))
   got = load(str(tmp_path / "art")).outputs(batch)
-  assert np.abs(got["logits"] - ref).max() <= 1e-6
+  # 1e-6 (issue 20's bound); GEM 2e-6: with its deep path open (no trunk gate, the default
+  # since the table-rate change) the export's fp32 sums differ by up to 1.2e-6 (~10 ulps).
+  assert np.abs(got["logits"] - ref).max() <= (2e-6 if name == "gem" else 1e-6)
   np.testing.assert_allclose(got["probs"], 1 / (1 + np.exp(-ref.astype(np.float64))), atol=1e-6)
   zero = jax.tree.map(np.zeros_like, acc)
   mine = jax.device_get(metrics_lib.update(zero, got["logits"], batch["labels"],
