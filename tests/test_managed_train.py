@@ -11,10 +11,9 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+from saved_state import saved_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ("--config.train.steps=6", "--config.train.checkpoint_every=3",
@@ -39,13 +38,7 @@ def _log(workdir):
 
 
 def _maps(workdir, step):
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
-  ckptr = ocp.PyTreeCheckpointer()
-  tree = ckptr.metadata(path).item_metadata.tree
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-  return {jax.tree_util.keystr(k): np.asarray(v)
-          for k, v in jax.tree_util.tree_flatten_with_path(out)[0] if "map_" in str(k)}
+  return {k: v for k, v in saved_state(workdir, step).items() if "map_" in k}
 
 
 @pytest.mark.slow

@@ -31,10 +31,10 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from saved_state import saved_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RESTORE_AT = 6, 3
@@ -67,17 +67,6 @@ def _log(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: r for r in rows if "train_loss" in r}
-
-
-def _saved_state(workdir, step):
-  """The `state` item of checkpoint `step`, as {key path: numpy array} on the host."""
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
-  ckptr = ocp.PyTreeCheckpointer()
-  tree = ckptr.metadata(path).item_metadata.tree
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-  return {jax.tree_util.keystr(k): np.asarray(v)
-          for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
 
 
 def _saved_data(workdir, step):
@@ -127,7 +116,7 @@ def test_resumed_on_other_device_count(runs, case):
   assert _saved_data(tmp / case, STEPS)["train"]["position"] == \
       _saved_data(tmp / "ref", STEPS)["train"]["position"]
 
-  want, have = _saved_state(tmp / "ref", STEPS), _saved_state(tmp / case, STEPS)
+  want, have = saved_state(tmp / "ref", STEPS), saved_state(tmp / case, STEPS)
   assert sorted(have) == sorted(want)
   assert any(k.startswith("['emb']") for k in want) and "['rng']" in want
   worst, used, bad = {}, {}, []

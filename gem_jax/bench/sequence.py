@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from gem_jax.bench.timing import loadavg
+from gem_jax.data.long_history import history_lengths
 from gem_jax.data.packing import pack_plan, truncate
 from gem_jax.layers.attention import AttentionImpl
 from gem_jax.layers.sequence import make_block
@@ -50,13 +51,6 @@ class Setup:
   repeats: int = 3
   max_run_gb: float = 6.0
   seed: int = 0
-
-
-def history_lengths(n: int, median: float, sigma: float, max_len: int,
-                    rng: np.random.Generator) -> np.ndarray:
-  """n log-normal lengths (median, sigma), rounded, clipped to [1, max_len]."""
-  x = rng.lognormal(np.log(median), sigma, n)
-  return np.clip(np.round(x), 1, max_len).astype(np.int64)
 
 
 class Stack(nnx.Module):

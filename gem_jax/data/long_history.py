@@ -22,6 +22,13 @@ import dataclasses
 import numpy as np
 
 
+def history_lengths(n: int, median: float, sigma: float, max_len: int,
+                    rng: np.random.Generator) -> np.ndarray:
+  """n log-normal lengths (median, sigma), rounded, clipped to [1, max_len]."""
+  x = rng.lognormal(np.log(median), sigma, n)
+  return np.clip(np.round(x), 1, max_len).astype(np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class LongHistory:
   """The generator's knobs (module docstring)."""
@@ -38,8 +45,7 @@ class LongHistory:
   mean_gap_s: float = 3600.0
 
   def lengths(self, n: int, rng: np.random.Generator) -> np.ndarray:
-    x = np.round(rng.lognormal(np.log(self.median), self.sigma, n))
-    x = np.clip(x, 1, self.max_len).astype(np.int64)
+    x = history_lengths(n, self.median, self.sigma, self.max_len, rng)
     return np.where(rng.random(n) < self.p_empty, 0, x)
 
   def batch(self, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
