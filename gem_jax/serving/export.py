@@ -19,8 +19,9 @@ The scoring function is the eval forward on one device, over whole tables:
 Its inputs are the batch contract with ids already through the id policy (int32 rows,
 -1 = none) and weights for every feature (the loader fills 1): the policy stays on the
 host, in numpy, as in training (gem_jax.embedding.ids). The sharded lookup of training
-computes the same pooled sums (fp32), so with fp32 tables the exported logits match the
-eval step's to rounding (tests/test_serving.py: within 1e-6).
+computes the same pooled sums (fp32), so with fp32 tables the exported logits equal the
+eval step's on one device bit for bit, and a partitioned eval step's to the order of its
+fp32 reductions (tests/test_serving.py).
 """
 from __future__ import annotations
 
