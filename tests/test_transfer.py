@@ -111,14 +111,15 @@ def test_knowledge_resume_is_exact_and_mismatch_fails(knowledge):
     next(other.batches(B))
 
 
-def _student(teacher, opts):
+def _student(teacher, opts, per_table=""):
   s = teacher.setup
   model_cfg, emb_cfg, opt_cfg = (
       setup_lib.model_config(ml_collections.ConfigDict(dict(
           preset="tiny", dtype="float32", overrides=dict(d_model=16, num_blocks=1, wukong_nf=2,
                                                          wukong_nl=2, trunk_hidden=(16,))))),
       ml_collections.ConfigDict(dict(dim=16, optimizer="rowwise_adagrad", lr=0.1,
-                                     sharding="auto", id_policy="hash", memory_budget_gb=1.0)),
+                                     sharding="auto", id_policy="hash", memory_budget_gb=1.0,
+                                     per_table=per_table)),
       ml_collections.ConfigDict(dict(name="adamw", lr=1e-2, warmup_steps=0, decay="constant",
                                      weight_decay=0.1, clip_norm=1.0)))
   return ttrain.build_student_run(s.spec, s.mesh, model_cfg, emb_cfg, opt_cfg, steps=4,
@@ -129,6 +130,17 @@ def _student(teacher, opts):
 def _host(run, state):
   return (jax.tree.map(np.asarray, state.params),
           jax.tree.map(np.asarray, emb_lib.export_state(run.plan, state.emb)))
+
+
+def test_student_reads_per_table_widths(teacher):
+  """`embedding.per_table` dims reach the student's projectors (not the default dim)."""
+  run = _student(teacher, TransferOptions(), per_table="user: dim=4")
+  assert run.feature_dims["user"] == run.plan.tables["user"].dim == 4
+  assert run.feature_dims["ad"] == 16
+  state = ttrain.init_student_state(run, 0)
+  _, m = ttrain.evaluate_student(run, state, PlantedSource("student", "eval", num_examples=64),
+                                 batch_size=B, max_batches=1)
+  assert np.isfinite(m["eval_ne"])
 
 
 @pytest.mark.slow  # real training loop runs: minutes on 2 cores

@@ -159,6 +159,11 @@ def sparse_optimizer(emb_cfg) -> emb_lib.SparseOptimizerConfig:
   return emb_lib.SparseOptimizerConfig(kind=emb_cfg.optimizer, lr=emb_cfg.lr)
 
 
+def table_widths(plan) -> dict[str, int]:
+  """{feature: D_f, the width of the table it reads} (`embedding.per_table` dims included)."""
+  return {f: plan.tables[c.table].dim for f, c in plan.features.items()}
+
+
 def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | None = None, *,
               replica_sync: str | None = None, id_stats: dict | None = None):
   """The embedding plan (any mesh, an AbstractMesh too); over the memory budget: ConfigError.
@@ -461,7 +466,7 @@ def setup(config) -> Setup:
   if stats is not None:
     plan = make_plan(spec, config.embedding, mesh, config.data.batch_size, shared, id_stats=stats)
   eval_plan = plan.with_batch_size(config.data.eval_batch_size)  # the train placement
-  feature_dims = {f: plan.tables[c.table].dim for f, c in plan.features.items()}
+  feature_dims = table_widths(plan)
   model_fn = model_factory(config.model, spec, feature_dims)
   p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, steps)
   step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,

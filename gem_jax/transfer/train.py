@@ -86,7 +86,7 @@ def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, st
     grad_accum: micro-batches per step (the trainer's step does the accumulation).
   """
   plan = setup_lib.make_plan(spec, emb_cfg, mesh, batch_size, shared_vocab)
-  feature_dims = {f.name: emb_cfg.dim for f in spec.sparse}
+  feature_dims = setup_lib.table_widths(plan)
   model_fn = lambda rngs: StudentBundle(model_cfg, spec, feature_dims, opts, rngs=rngs)  # noqa: E731
   p = setup_lib.state_parts(model_fn, plan, spec, mesh, optim_cfg, emb_cfg, steps,
                             skip_counter=False)
