@@ -1,4 +1,6 @@
-"""Transparent huge pages for host memory (CPU training and benchmarks).
+"""Host-process setup that must precede `import jax`: huge pages, simulated CPU devices.
+
+Transparent huge pages for host memory (CPU training and benchmarks).
 
 Random row reads into a table of hundreds of MB miss the TLB on nearly every access
 with 4 KiB pages. glibc >= 2.35 advises huge pages for its large allocations when
@@ -44,3 +46,13 @@ def anon_huge_pages_mb() -> float:
   except OSError:
     pass
   return 0.0
+
+
+def simulate_cpu_devices(n: int = 8) -> None:
+  """XLA_FLAGS += --xla_force_host_platform_device_count=n, unless it already sets a count.
+
+  Only the CPU platform reads it (harmless on GPU/TPU); it must precede `import jax`.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

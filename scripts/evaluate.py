@@ -6,10 +6,10 @@ and domain) and the checkpoint step. `--step N` picks another checkpoint.
 import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gem_jax import hostmem  # noqa: E402  (imports no jax)
+
+hostmem.simulate_cpu_devices()
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

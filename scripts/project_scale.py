@@ -48,10 +48,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.check_cpu and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  if args.check_cpu:
+    from gem_jax import hostmem  # pylint: disable=import-outside-toplevel
+    hostmem.simulate_cpu_devices()
   from gem_jax.bench import projection  # pylint: disable=import-outside-toplevel
   out = projection.run(args)
   if args.json:

@@ -14,10 +14,7 @@ from gem_jax import hostmem  # noqa: E402  (imports no jax: the re-exec comes fi
 if __name__ == "__main__":  # host tables in huge pages; GLIBC_TUNABLES=glibc.malloc.hugetlb=0: off
   hostmem.use_huge_pages()
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  # Only affects the CPU platform (harmless on GPU/TPU); must precede `import jax`.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+hostmem.simulate_cpu_devices()
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

@@ -1,4 +1,5 @@
-"""gem_jax.hostmem: the huge-page re-exec sets the tunable once and respects an opt-out."""
+"""gem_jax.hostmem: the huge-page re-exec sets the tunable once and respects an opt-out;
+the simulated CPU device count is added only when XLA_FLAGS states none."""
 import os
 import subprocess
 import sys
@@ -39,3 +40,17 @@ def test_opt_out_is_respected(tmp_path):
   lines = _run(tmp_path, "glibc.malloc.hugetlb=0")
   assert len([l for l in lines if l.startswith("start")]) == 1
   assert lines[-1] == "tunables glibc.malloc.hugetlb=0 False"
+
+
+@pytest.mark.parametrize("before, after", [
+    (None, "--xla_force_host_platform_device_count=8"),
+    ("--xla_cpu_foo=1", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"),
+    ("--xla_force_host_platform_device_count=2", "--xla_force_host_platform_device_count=2")])
+def test_simulated_cpu_devices_keep_a_stated_count(monkeypatch, before, after):
+  from gem_jax import hostmem  # pylint: disable=import-outside-toplevel
+  if before is None:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+  else:
+    monkeypatch.setenv("XLA_FLAGS", before)
+  hostmem.simulate_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == after
