@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from data_fixtures import check_bad_rows, synth_data, valid_leaves  # noqa: F401
 
-from gem_jax.data import pipeline
+import pyarrow as pa
+
+from gem_jax.data import blocks, pipeline, text
+from gem_jax.data.badrows import BadRow
 from gem_jax.data.avazu import COLUMNS, HEX_COLUMNS, ID_COLUMNS, AvazuSource, avazu_spec
 from gem_jax.data.spec import validate_batch
 
@@ -65,6 +68,27 @@ def test_bad_rows_exact(fx):
   it = AvazuSource(bad.path, bad_row_limit=0.1).batches(64, repeat=False)
   assert_rows(valid_leaves(it), bad.rows)
   check_bad_rows(it, bad)
+
+
+def test_hex_ids_at_the_int64_edge(fx, tmp_path):
+  """16-digit hex ids >= 2^63 do not fit the int64 raw id: a bad row naming the field and
+  value (they used to lose their top bit and merge with another id); 2^63 - 1 is exact."""
+  assert text.parse_hex(b"7fffffffffffffff", "f") == 2**63 - 1
+  with pytest.raises(BadRow, match=r"f: hex id 8000000000000000 is >= 2\^63"):
+    text.parse_hex(b"8000000000000000", "f")
+  ids, _ = blocks.hex_column(pa.array([b"7fffffffffffffff", b"1", b""], pa.binary()))
+  assert ids.tolist() == [2**63 - 1, 1, -1]
+  assert blocks.hex_column(pa.array([b"8000000000000000", b"1"], pa.binary())) is None
+  good, top = list(fx["dev_rows"][0]), list(fx["dev_rows"][1])
+  top[COLUMNS.index("site_id")] = "ffffffffffffffff"
+  path = tmp_path / "dev.csv"
+  path.write_text("\n".join(",".join(r) for r in (good, top)) + "\n")
+  it = AvazuSource(str(path), bad_row_limit=0.6).batches(4, repeat=False)
+  assert_rows(valid_leaves(it), [good])
+  st = it.state()["bad_rows"]
+  assert (st["bad"], st["rows"]) == (1, 2)
+  assert st["reports"] == [f"{path}:2: site_id: hex id ffffffffffffffff is >= 2^63 "
+                           "(raw ids are int64)"]
 
 
 def test_order_and_resume(fx):

@@ -120,7 +120,8 @@ def hex_column(col, width: int | None = None) -> tuple[np.ndarray, np.ndarray] |
   """(raw int64 ids, lengths) of a binary column of hex ids; '' -> -1.
 
   Values of 1-16 digits (exactly `width` if given) as `text.parse_hex` reads them
-  (int(x, 16) with the top bit of 16-digit ids cleared); None if any value is not hex.
+  (int(x, 16)); None if any value is not hex or is >= 2^63 (the row-wise parser then
+  names the row).
   """
   data, lengths = binary_column(col)
   n = len(lengths)
@@ -144,7 +145,10 @@ def hex_column(col, width: int | None = None) -> tuple[np.ndarray, np.ndarray] |
     grid = np.zeros((m, 16), np.uint8)
     grid[rows, 16 - np.repeat(lengths[present], lengths[present]) + pos] = nib
     packed = np.ascontiguousarray((grid[:, 0::2] << 4) | grid[:, 1::2])   # (n', 8)
-    values = (packed.view(">u8")[:, 0] & np.uint64((1 << 63) - 1)).astype(np.int64)
+    values = packed.view(">u8")[:, 0]
+    if values.size and values.max() >> np.uint64(63):
+      return None
+    values = values.astype(np.int64)
   if len(values) == n:
     return values, lengths
   out = np.full(n, -1, np.int64)

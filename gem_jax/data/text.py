@@ -24,10 +24,15 @@ def parse_int(tok: bytes, name: str) -> int:
 
 
 def parse_hex(tok: bytes, name: str, width: int | None = None) -> int:
-  """A hex id of 1-16 digits (exactly `width` if given) as a non-negative int64 raw id."""
+  """A hex id of 1-16 digits (exactly `width` if given) as a non-negative int64 raw id.
+
+  Ids >= 2^63 (16 digits, the first >= 8) do not fit: BadRow, never a merged id."""
   if not _HEX.fullmatch(tok) or (width is not None and len(tok) != width):
     raise BadRow(f"{name}: malformed categorical {tok[:32]!r}")
-  return int(tok, 16) & ((1 << 63) - 1)   # 16-digit ids lose their top bit to fit int64
+  v = int(tok, 16)
+  if v >> 63:
+    raise BadRow(f"{name}: hex id {tok.decode()} is >= 2^63 (raw ids are int64)")
+  return v
 
 
 def parse_float(tok: bytes, name: str) -> float:
