@@ -129,6 +129,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.max_rollbacks = 3           # with 'rollback': give up after this many
   c.train.preempt_check_every = 1     # steps between collective preemption checks (multi-host)
   c.train.inject_nan_step = 0         # debug: NaN dense features at this step; 0: off
+  c.train.save_failures = 3           # failed checkpoint saves in a row survived (disk full,
+                                      # read-only, ...); one more stops the run
+  c.train.save_when_busy = "wait"     # a save due while the last is still writing: wait | skip
   return c
 
 

@@ -108,7 +108,7 @@ def verify(step_dir: str) -> bool | None:
     return None
   try:
     with open(path) as f:
-      files = json.load(f)["files"]
+      files = _manifest_files(json.load(f))
   except (OSError, ValueError, KeyError) as e:
     raise CorruptCheckpointError(f"{path}: unreadable manifest ({e})") from None
   for rel, (size, crc) in files.items():
@@ -121,6 +121,20 @@ def verify(step_dir: str) -> bool | None:
     if got_crc != crc:
       raise CorruptCheckpointError(f"{full}: crc32 {got_crc}, manifest says {crc}")
   return True
+
+
+def _manifest_files(m: Any) -> dict:
+  """The 'files' of a parsed manifest; ValueError for anything else than the format above."""
+  files = m.get("files") if isinstance(m, dict) else None
+  if not isinstance(files, dict):
+    raise ValueError("expected an object with a 'files' object")
+  for rel, entry in files.items():
+    if (os.path.isabs(rel) or os.path.normpath(rel) != rel or rel.split(os.sep)[0] == ".."):
+      raise ValueError(f"file {rel!r} is not a path inside the checkpoint")
+    if (not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int
+        or not isinstance(entry[1], str)):
+      raise ValueError(f"entry of {rel!r} is {entry!r}, expected [size, crc32]")
+  return files
 
 
 def seal(directory: str, exclude: Sequence[int] = ()) -> list[int]:
@@ -172,10 +186,13 @@ def restore_newest(directory: str, steps: Sequence[int], restore_fn: Callable[[i
 
   Each candidate, newest first: verified against its manifest; a mismatch is
   logged with the offending path, the directory moved aside (process 0) and
-  the next older one tried. An unsealed checkpoint (killed between the rename
-  and the manifest) is restored unverified; errors restoring it propagate (they
-  may as well come from a changed state structure, which must not cost the
-  run its checkpoints).
+  the next older one tried. A checkpoint deleted by someone else (before or
+  while it is read: the restore fails and its directory is gone, or its files no
+  longer match the manifest) is reported the same way and the next older one
+  tried. An unsealed checkpoint (killed between the rename and the manifest) is
+  restored unverified; errors restoring it, or a sealed one whose files are
+  intact, propagate (they may as well come from a changed state structure,
+  which must not cost the run its checkpoints).
 
   Args:
     directory: the checkpoint directory (holds `STEP/` subdirectories).
@@ -187,11 +204,26 @@ def restore_newest(directory: str, steps: Sequence[int], restore_fn: Callable[[i
   for step in sorted(steps, reverse=True):
     step_dir = os.path.join(directory, str(step))
     try:
+      if not os.path.isdir(step_dir):
+        raise _Vanished("deleted after it was listed")
       ok = verify(step_dir)
       if ok is None:
         logging.warning("checkpoint %s has no integrity manifest (killed right after it "
                         "was finalized?); restoring it unverified", step_dir)
-      return restore_fn(step)
+      try:
+        return restore_fn(step)
+      except Exception as e:  # pylint: disable=broad-except
+        if os.path.isdir(step_dir):
+          if ok is None:
+            raise              # unverifiable: maybe a changed state structure, not damage
+          verify(step_dir)     # files gone or changed meanwhile: CorruptCheckpointError
+          raise                # all there and intact: not damage
+        raise _Vanished(f"deleted while being restored ({_first_line(e)})") from e
+    except _Vanished as e:
+      logging.error("checkpoint %s disappeared: %s (by another process?); falling back to "
+                    "the previous one", step_dir, e)
+      _sync(f"gem_jax_gone_{step}")
+      reload_fn()
     except CorruptCheckpointError as e:
       logging.error("corrupt checkpoint: %s; falling back to the previous one", e)
       _sync(f"gem_jax_corrupt_{step}_a")
@@ -199,7 +231,18 @@ def restore_newest(directory: str, steps: Sequence[int], restore_fn: Callable[[i
         logging.error("moved corrupt checkpoint %s to %s", step_dir, quarantine(directory, step))
       _sync(f"gem_jax_corrupt_{step}_b")
       reload_fn()
+  if steps:
+    logging.error("none of the checkpoints %s in %s could be restored", sorted(steps), directory)
   return None
+
+
+class _Vanished(Exception):
+  """A checkpoint directory that is no longer there."""
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
 # ---------------------------------------------------------- finite state --

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -109,7 +110,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   writer = report.MetricWriter(workdir)
   ckpt = ckpt_lib.CheckpointManager(
       os.path.join(workdir, "checkpoints"), save_every=config.train.checkpoint_every,
-      keep=config.train.keep, best_metric=config.train.best_metric)
+      keep=config.train.keep, best_metric=config.train.best_metric,
+      max_save_failures=config.train.save_failures, busy=config.train.save_when_busy)
   saved: dict = {}
   state, data_state, restored_step = setup_lib.restore_or_init(s, ckpt, config.seed,
                                                                saved=saved)
@@ -235,7 +237,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     train_it.close()
     if getattr(train_it, "bytes_read", None) is not None:   # columnar reader: this process's
       logging.info("input: process %d of %d read %d bytes", pi, pc, train_it.bytes_read)
-    ckpt.close()
+    ckpt.close(check=sys.exc_info()[0] is None)   # a failed last save: CheckpointSaveError
     profiler.close()
     progress.close()
     writer.close()
