@@ -28,6 +28,12 @@ runs out pads its slots (`label_mask = 0`) until every lane is done: every row i
 seen once. `workers` threads read and decode row groups ahead of the lanes
 (pyarrow releases the GIL), in an order fixed by the plan, so the output does not
 depend on them.
+
+Every file's size and modification time are recorded when the source is built and
+checked before and after each row group is read: a file that disappears, is cut
+short or is replaced mid-run raises `files.InputFileError` naming it and what
+changed (a row group read with the old footer would be garbage); once it is back as
+it was, a restart resumes exactly (the iterator state holds rows per lane).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import pyarrow.parquet as pq
 
 from gem_jax.data import columnar
 from gem_jax.data.columnar import DatasetError
+from gem_jax.data.files import InputFileError, check_unchanged, fingerprint
 
 DEFAULT_LANES = 16
 # Lanes shuffle windows of at least this many rows: each window costs a gather per column,
@@ -113,10 +120,12 @@ class ParquetSource:
     """Every file exists, has the size, row groups and schema the metadata says."""
     want = columnar.schema(self.layout)
     out = []
+    self._fingerprints = []
     for f in self.meta["files"]:
       file = os.path.join(self.path, f["path"])
       if not os.path.isfile(file):
         raise DatasetError(f"{file}: listed in {columnar.META_NAME} but missing")
+      self._fingerprints.append(fingerprint(file))
       size = os.path.getsize(file)
       if size != f["bytes"]:
         raise DatasetError(f"{file}: {size} bytes, {columnar.META_NAME} says {f['bytes']} "
@@ -154,7 +163,13 @@ class ParquetSource:
     i, g, _ = self.blocks[b]
     md = self._file_meta[i]
     file = os.path.join(self.path, self.meta["files"][i]["path"])
-    table = pq.ParquetFile(file, metadata=md).read_row_group(g)
+    check_unchanged(file, self._fingerprints[i])
+    try:
+      table = pq.ParquetFile(file, metadata=md).read_row_group(g)
+    except (pa.ArrowException, OSError) as e:
+      check_unchanged(file, self._fingerprints[i])
+      raise InputFileError(f"input file {file}: row group {g} unreadable ({e})") from e
+    check_unchanged(file, self._fingerprints[i])   # replaced while it was read
     rg = md.row_group(g)
     nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
     return columnar.from_table(table, self.layout), nbytes

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gem_jax.data.files import LineStream, count_lines, expand_paths
+from gem_jax.data.files import LineStream, count_lines, expand_paths, fingerprint
 from gem_jax.data.pipeline import BatchIterator
 from gem_jax.data.spec import DataSpec
 
@@ -89,7 +89,9 @@ class StreamingSource:
 class LineSource(StreamingSource):
   """A source with one row per text line, from one or many (gzip or plain) files.
 
-  Files are checked at construction (missing or empty: clear error). When
+  Files are checked at construction (missing or empty: clear error) and their
+  size and modification time recorded: a file that changes, shrinks or disappears
+  later raises `files.InputFileError` naming it (gem_jax/data/files.py). When
   shuffling, the file order is permuted per epoch with rng((seed, epoch)).
   Records are `(path, line_number, raw_bytes)`.
   """
@@ -100,6 +102,7 @@ class LineSource(StreamingSource):
   def __init__(self, paths: str | Sequence[str], spec: DataSpec, **kw):
     super().__init__(spec, **kw)
     self.paths = expand_paths(paths, what=type(self).__name__)
+    self.fingerprints = {p: fingerprint(p) for p in self.paths}
 
   def describe(self) -> str:
     return f"{type(self).__name__}({', '.join(self.paths)})"
@@ -119,7 +122,7 @@ class LineSource(StreamingSource):
     if self.shuffle_buffer > 1 and len(order) > 1:
       perm = np.random.default_rng((int(seed), int(epoch))).permutation(len(order))
       order = [order[i] for i in perm]
-    return LineStream(order, is_header=type(self).is_header)
+    return LineStream(order, is_header=type(self).is_header, fingerprints=self.fingerprints)
 
   def decode(self, record):
     return self.parse(record[2])
