@@ -20,11 +20,18 @@ field (a model would read a clamped or NaN row instead). Ids go through each tab
 ids >= rows to the last row; 'error' raises ValueError naming the feature and the id.
 A batch is scored by the exported function of a symbolic batch size in one call, or
 cut into the exported sizes (the last piece padded; padding rows never come back).
+
+Loading never runs code from the artifact: the manifest is JSON, checked field by field
+(`check_manifest`: unknown fields, wrong types, a file outside the artifact are a
+ValueError naming the field); arrays are read with `allow_pickle=False` (an object
+array is refused, not unpickled); the scoring function is StableHLO, and one calling
+a custom call outside JAX's stable set (a host callback, say) is refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import jax
@@ -40,25 +47,133 @@ MANIFEST = "manifest.json"
 
 
 def read_manifest(path: str) -> dict:
-  """The manifest of the artifact at `path`; ValueError for another format or a newer one."""
+  """The manifest of the artifact at `path`; ValueError for another format, a newer one,
+  or content that is not what an export writes (`check_manifest`)."""
   file = os.path.join(path, MANIFEST)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path}: no {MANIFEST} (not a serving artifact, or its export "
                             "did not finish)")
-  with open(file) as f:
-    m = json.load(f)
+  try:
+    with open(file, encoding="utf-8") as f:
+      m = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{file}: not a JSON manifest ({e})") from None
+  if not isinstance(m, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(m).__name__}")
   if m.get("format") != FORMAT:
     raise ValueError(f"{file}: format {m.get('format')!r}, expected {FORMAT!r}")
   v = m.get("format_version")
   if not isinstance(v, int) or v > FORMAT_VERSION:
     raise ValueError(f"{file}: artifact format version {v!r} is newer than this loader's "
                      f"{FORMAT_VERSION}: load it with the gem_jax that exported it (or newer)")
+  check_manifest(m, path)
   return m
 
 
+_FIELDS = {"format": str, "format_version": int, "jax_version": str, "platforms": list,
+           "checkpoint_step": (int, type(None)), "model": (dict, type(None)), "spec": dict,
+           "features": dict, "tables": dict, "table_dtype": str, "inputs": list,
+           "outputs": list, "functions": dict, "batch_sizes": (str, list), "params": str}
+_REQUIRED = ("spec", "features", "tables", "inputs", "functions", "params")
+_POLICIES = ("hash", "clip", "error", "managed")
+_TABLE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def _member(path: str, rel: Any, field: str) -> str:
+  """`path/rel` for a file name that stays inside the artifact; ValueError naming `field`."""
+  if (not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel)
+      or os.path.normpath(rel).split(os.sep)[0] == ".."):
+    raise ValueError(f"{path}/{MANIFEST}: {field} = {rel!r} is not a file inside the artifact")
+  full = os.path.join(path, rel)
+  root = os.path.realpath(path)
+  if os.path.commonpath([root, os.path.realpath(full)]) != root:
+    raise ValueError(f"{path}/{MANIFEST}: {field} = {rel!r} leads outside the artifact")
+  if not os.path.isfile(full):
+    raise ValueError(f"{path}/{MANIFEST}: {field} = {rel!r}: no such file in the artifact")
+  return full
+
+
+def check_manifest(m: dict, path: str) -> None:
+  """Raises ValueError naming the first field of `m` that an export would not write."""
+  where = f"{path}/{MANIFEST}"
+  unknown = sorted(set(m) - set(_FIELDS))
+  if unknown:
+    raise ValueError(f"{where}: unexpected field(s) {unknown}")
+  for k in _REQUIRED:
+    if k not in m:
+      raise ValueError(f"{where}: field {k!r} is missing")
+  for k, t in _FIELDS.items():
+    if k in m and not isinstance(m[k], t):
+      raise ValueError(f"{where}: field {k!r} has type {type(m[k]).__name__}")
+  _member(path, m["params"], "params")
+  if not m["functions"]:
+    raise ValueError(f"{where}: 'functions' is empty")
+  for size, file in m["functions"].items():
+    if size != "b" and not (isinstance(size, str) and size.isdigit() and int(size) > 0):
+      raise ValueError(f"{where}: functions key {size!r} is neither 'b' nor a batch size")
+    _member(path, file, f"functions[{size!r}]")
+  for name, t in m["tables"].items():
+    f = f"tables[{name!r}]"
+    if not isinstance(t, dict) or not isinstance(t.get("files"), dict):
+      raise ValueError(f"{where}: {f} must be an object with 'files'")
+    if t.get("dtype") not in _TABLE_DTYPES or t.get("id_policy") not in _POLICIES:
+      raise ValueError(f"{where}: {f}: dtype {t.get('dtype')!r} / id_policy "
+                       f"{t.get('id_policy')!r} not among {_TABLE_DTYPES} / {_POLICIES}")
+    if type(t.get("rows")) is not int or t["rows"] < 1:
+      raise ValueError(f"{where}: {f}: rows {t.get('rows')!r} is not a positive integer")
+    for leaf, file in t["files"].items():
+      _member(path, file, f"{f}.files[{leaf!r}]")
+    if "map" in t:
+      _member(path, t["map"], f"{f}.map")
+  for name, feat in m["features"].items():
+    if not isinstance(feat, dict) or feat.get("table") not in m["tables"]:
+      raise ValueError(f"{where}: features[{name!r}] names no table of 'tables'")
+  for leaf in m["inputs"]:
+    ok = (isinstance(leaf, dict) and isinstance(leaf.get("path"), str)
+          and isinstance(leaf.get("shape"), list) and isinstance(leaf.get("dtype"), str))
+    try:
+      ok = ok and np.dtype(leaf["dtype"]).kind in "biuf"
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f"{where}: inputs entry {str(leaf)[:80]} is not {{path, shape, "
+                       "numeric dtype}")
+
+
+def _np_load(path: str, **kw) -> Any:
+  """np.load without pickles: an object array is a clear ValueError, never unpickled."""
+  try:
+    return np.load(path, allow_pickle=False, **kw)
+  except ValueError as e:
+    raise ValueError(f"{path}: not a plain numeric array file ({e}); artifacts hold no "
+                     "pickled objects") from None
+
+
 def _load_array(path: str, dtype: str) -> np.ndarray:
-  x = np.load(path, mmap_mode="r")
+  x = _np_load(path, mmap_mode="r")
   return x.view(jnp.bfloat16) if dtype == "bfloat16" else x   # stored as uint16 bits
+
+
+_CUSTOM_CALL = re.compile(r'stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
+
+
+def _stable_targets() -> set[str] | None:
+  try:
+    from jax._src.export import _export  # pylint: disable=import-outside-toplevel
+    return set(_export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE)  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    return None
+
+
+def check_function(exported, file: str) -> None:
+  """ValueError when the exported module calls a custom call JAX does not guarantee
+  (host callbacks into this process among them)."""
+  stable = _stable_targets()
+  for target in {a or b for a, b in _CUSTOM_CALL.findall(exported.mlir_module())}:
+    if re.search(r"callback|python", target, re.I) or (stable is not None
+                                                        and target not in stable):
+      raise ValueError(f"{file}: the scoring function calls custom call {target!r}, which "
+                       "a gem_jax export never contains; refusing to load it")
 
 
 def padding(inputs: list[dict], n: int) -> dict:
@@ -189,16 +304,27 @@ def load(path: str, device: Any = None) -> Predictor:
   m = read_manifest(path)
   device = device or jax.devices()[0]
   put = lambda x: jax.device_put(np.ascontiguousarray(x), device)  # noqa: E731
-  with np.load(os.path.join(path, m["params"])) as z:
-    params = {k: put(z[k]) for k in z.files}
+  file = os.path.join(path, m["params"])
+  with _np_load(file) as z:
+    try:
+      params = {k: put(z[k]) for k in z.files}
+    except ValueError as e:
+      raise ValueError(f"{file}: not plain numeric arrays ({e}); artifacts hold no pickled "
+                       "objects") from None
   tables = {name: {leaf: put(_load_array(os.path.join(path, file), t["dtype"]))
                    for leaf, file in t["files"].items()}
             for name, t in m["tables"].items()}
-  maps = {name: managed.host_map(np.load(os.path.join(path, t["map"])))
+  maps = {name: managed.host_map(_np_load(os.path.join(path, t["map"])))
           for name, t in m["tables"].items() if "map" in t}
   fns = {}
   for size, file in m["functions"].items():
     with open(os.path.join(path, file), "rb") as f:
-      exported = jax.export.deserialize(bytearray(f.read()))
+      data = bytearray(f.read())
+    try:
+      exported = jax.export.deserialize(data)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"{os.path.join(path, file)}: not a serialized jax.export module "
+                       f"({type(e).__name__}: {str(e)[:200]})") from None
+    check_function(exported, os.path.join(path, file))
     fns[None if size == "b" else int(size)] = jax.jit(exported.call)
   return Predictor(path, m, fns, params, tables, maps)

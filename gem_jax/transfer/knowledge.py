@@ -171,7 +171,7 @@ class ShardReader:
     self.row = int(row)
 
   def _load(self, k: int) -> None:
-    with np.load(os.path.join(self.dir, f"shard-{k:05d}.npz")) as z:
+    with np.load(os.path.join(self.dir, f"shard-{k:05d}.npz"), allow_pickle=False) as z:
       self._data = {name: z[name] for name in z.files}
     self._shard = k
 
