@@ -132,3 +132,63 @@ def test_parquet_file_fault_is_named_and_resume_is_exact(dataset, tmp_path, how,
   resumed = pipeline.take(ParquetSource(dataset, **kw).batches(64, state=state), 25 - TAKEN)
   assert_same_rows(rows_of(resumed), rows_of(ref[TAKEN:]))
   assert np.array_equal(resumed[-1]["labels"], ref[-1]["labels"])
+
+
+# ------------------------------------------------------- through the trainer --
+
+@pytest.mark.slow  # three trainer runs (DLRM tiny on Criteo-format files): minutes on 2 cores
+def test_trainer_stops_naming_the_file_and_resumes_exactly(tmp_path, synth_data,  # noqa: F811
+                                                          monkeypatch):
+  """Both train files truncated after the checkpoint at step 4: the run stops with
+  InputFileError naming one; with the files restored, the restart resumes from its last
+  checkpoint and its losses equal an uninterrupted run's bit for bit."""
+  from gem_jax.bench.runner import load_config  # pylint: disable=import-outside-toplevel
+  from gem_jax.train import checkpoint, loop, report  # pylint: disable=import-outside-toplevel
+  data = tmp_path / "data"
+  data.mkdir()
+  days = []
+  for f in synth_data.criteo["days"]:           # 2 gzip files of 1500 rows
+    shutil.copy2(f, data)
+    days.append(str(data / os.path.basename(f)))
+  config = load_config("criteo", {
+      "data.train": ",".join(days), "data.eval": synth_data.criteo["dev"],
+      "data.shuffle_buffer": 256, "model.name": "dlrm", "model.preset": "tiny",
+      "train.steps": 16, "train.eval_every": 16, "train.log_every": 1,
+      "train.checkpoint_every": 4, "optim.warmup_steps": 0,
+      "train.compile_cache": str(tmp_path / "cache"), "train.early_stop_patience": 0})
+
+  def losses(workdir):
+    rows = [r for r in report.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            if "train_loss" in r]
+    return {r["step"]: r["train_loss"] for r in rows}   # the last value of each step
+
+  loop.train_and_evaluate(config, str(tmp_path / "ref"))
+  ref = losses(tmp_path / "ref")
+  assert sorted(ref) == list(range(1, 17))
+
+  backups = {p: open(p, "rb").read() for p in days}
+  orig = checkpoint.CheckpointManager.save
+
+  def save(self, step, *a, **kw):
+    out = orig(self, step, *a, **kw)
+    if step == 4:
+      for p, b in backups.items():
+        with open(p, "r+b") as f:
+          f.truncate(len(b) // 2)
+    return out
+
+  monkeypatch.setattr(checkpoint.CheckpointManager, "save", save)
+  run = str(tmp_path / "run")
+  names = "|".join(re.escape(p) for p in days)
+  with pytest.raises(InputFileError, match=f"input file ({names}) changed .*truncated"):
+    loop.train_and_evaluate(config, run)
+  monkeypatch.setattr(checkpoint.CheckpointManager, "save", orig)
+  for p, b in backups.items():
+    with open(p, "wb") as f:
+      f.write(b)
+  out = loop.train_and_evaluate(config, run)
+  assert out["step"] == 16
+  assert losses(run) == ref
+  steps = [r["step"] for r in report.read_jsonl(os.path.join(run, "metrics.jsonl"))
+           if "train_loss" in r]
+  assert steps.count(1) == steps.count(4) == 1 and steps.count(16) == 1   # resumed, not rerun

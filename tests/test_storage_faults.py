@@ -25,6 +25,7 @@ from conftest import make_mesh
 from gem_jax.train import integrity
 from gem_jax.train.checkpoint import CheckpointManager, CheckpointSaveError, abstract_like
 from test_checkpoint import assert_trees_equal, make_state
+from test_reliability import cache_dir, tiny_config  # noqa: F401  pylint: disable=unused-import
 from test_reliability import two_checkpoints  # noqa: F401  pylint: disable=unused-import
 
 _STEP = re.compile(r"/(\d+)\.orbax-checkpoint-tmp")
@@ -333,3 +334,24 @@ def test_checkpoint_deleted_after_listing(two_checkpoints, caplog):  # noqa: F81
   shutil.rmtree(d / "2")
   assert integrity.restore_newest(str(d), [1, 2], lambda s: s) == 1
   assert f"checkpoint {d / '2'} disappeared: deleted after it was listed" in caplog.text
+
+
+# ---------------------------------------------------------- the trainer --
+
+@pytest.mark.slow  # two real training runs of tiny: minutes on 2 cores
+def test_trainer_survives_failed_saves_and_stops_past_the_tolerance(  # noqa: F811
+    tmp_path, cache_dir, monkeypatch, caplog):
+  from gem_jax.train import loop  # pylint: disable=import-outside-toplevel
+  fail_writes(monkeypatch, {2, 3})
+  c = tiny_config(steps=5, checkpoint_every=1, keep=1, compile_cache=cache_dir)
+  out = loop.train_and_evaluate(c, str(tmp_path / "ok"))
+  assert out["step"] == 5
+  for step in (2, 3):
+    assert f"checkpoint save failed at step {step}: " in caplog.text
+  assert integrity.complete_steps(str(tmp_path / "ok" / "checkpoints")) == [5]
+  c = tiny_config(steps=5, checkpoint_every=1, keep=1, compile_cache=cache_dir,
+                  save_failures=1)
+  with pytest.raises(CheckpointSaveError, match=r"2 checkpoint saves in a row failed \(1 "
+                     r"tolerated: train.save_failures\); newest committed checkpoint: 1"):
+    loop.train_and_evaluate(c, str(tmp_path / "stop"))
+  assert integrity.complete_steps(str(tmp_path / "stop" / "checkpoints")) == [1]

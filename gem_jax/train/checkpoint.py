@@ -67,7 +67,8 @@ class CheckpointSaveError(RuntimeError):
   """Checkpoint saves keep failing (more than `max_save_failures` in a row), or the last did."""
 
 
-_TS_PATH = re.compile(r'(?:Failed writing|Error opening|Failed to open|Error writing)[^"]*"([^"]+)"')
+_TS_PATH = re.compile(
+    r'(?:Failed writing|Error opening|Failed to open|Error writing)[^"]*"([^"]+)"')
 _TS_ERRNO = re.compile(r"os_error_code='?(\d+)")
 
 
