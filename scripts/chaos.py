@@ -1,6 +1,7 @@
 """Chaos test of the trainer: kill `tiny` training at random moments, restart, compare.
 
   python scripts/chaos.py --trials 20 --seed 0
+  python scripts/chaos.py --processes 2 --trials 20 --seed 0   # scripts/chaos_multiprocess.py
 
 1. An uninterrupted reference run of `configs/tiny.py` (S steps, a checkpoint
    every 2 steps) in WORKDIR/reference (it also fills the shared persistent
@@ -43,6 +44,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUMED = re.compile(r"resumed from the checkpoint at step (\d+)")
 TMP_MARK = ".orbax-checkpoint-tmp"
+RUN_TIMEOUT_S = 1800
 
 
 def child_cmd(workdir: str, steps: int, cache: str) -> list[str]:
@@ -97,7 +99,7 @@ def has_tmp(ckpt_dir: str) -> bool:
 
 def run_to_end(workdir: str, steps: int, cache: str) -> subprocess.CompletedProcess:
   return subprocess.run(child_cmd(workdir, steps, cache), capture_output=True, text=True,
-                        env=child_env(), cwd=ROOT, timeout=1800)
+                        env=child_env(), cwd=ROOT, timeout=RUN_TIMEOUT_S)
 
 
 def trial(rng: random.Random, workdir: str, steps: int, cache: str, step_s: float) -> dict:
@@ -132,7 +134,8 @@ def trial(rng: random.Random, workdir: str, steps: int, cache: str, step_s: floa
   err.close()
   rows = logged_steps(workdir)[n_rows:]
   m = RESUMED.search(log)
-  return {"expected": expected, "newest_after": max(complete_steps(ckpt_dir), default=None), "resumed": int(m.group(1)) if m else None,
+  return {"expected": expected, "newest_after": max(complete_steps(ckpt_dir), default=None),
+          "resumed": int(m.group(1)) if m else None,
           "progressed": progressed or bool(rows), "last_step": rows[-1][0] if rows else None,
           "signal": sig, "at_startup": at_startup and not rows, "rc": rc,
           "during_save": during_save, "corrupt": log.count("corrupt checkpoint"),
@@ -141,6 +144,14 @@ def trial(rng: random.Random, workdir: str, steps: int, cache: str, step_s: floa
 
 def final_states_equal(a_dir: str, b_dir: str, step: int) -> bool:
   """Bitwise equality of the `state` item of checkpoint `step` of two runs."""
+  return state_difference(a_dir, b_dir, step)[0]
+
+
+def state_difference(a_dir: str, b_dir: str, step: int) -> tuple[bool, float]:
+  """(bit for bit equal, largest difference of a float leaf) of the `state` item of
+  checkpoint `step` of two runs: max |a - b| / max(1, max |a|) per leaf (absolute for
+  values up to 1, relative for larger ones such as eval sums); inf if the trees or a
+  non-float leaf differ."""
   os.environ.update(child_env())  # 8 CPU devices, as the runs that wrote them
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -151,8 +162,20 @@ def final_states_equal(a_dir: str, b_dir: str, step: int) -> bool:
       return ckptr.restore(os.path.join(d, "checkpoints", str(step), "state"))
 
   (la, ta), (lb, tb) = jax.tree.flatten(load(a_dir)), jax.tree.flatten(load(b_dir))
-  return ta == tb and all(np.asarray(x).dtype == np.asarray(y).dtype and
-                          np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+  if ta != tb:
+    return False, float("inf")
+  equal, diff = True, 0.0
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype != y.dtype or x.shape != y.shape:
+      return False, float("inf")
+    equal = equal and np.array_equal(x, y)
+    if np.issubdtype(x.dtype, np.floating) and x.size:
+      x64, y64 = x.astype(np.float64), y.astype(np.float64)
+      diff = max(diff, float(np.max(np.abs(x64 - y64)) / max(1.0, np.max(np.abs(x64)))))
+    elif not np.array_equal(x, y):
+      return False, float("inf")
+  return equal, diff
 
 
 def main(argv=None) -> dict:
@@ -162,7 +185,13 @@ def main(argv=None) -> dict:
   p.add_argument("--steps", type=int, default=0, help="run length (default 5 x trials + 10)")
   p.add_argument("--workdir", default="", help="default: a temporary directory (removed)")
   p.add_argument("--keep", action="store_true", help="keep the workdir")
+  p.add_argument("--processes", type=int, default=1,
+                 help="> 1: the multi-process chaos test (scripts/chaos_multiprocess.py)")
+  p.add_argument("--samples-out", default="", help="multi-process: write every trial (JSON)")
   args = p.parse_args(argv)
+  if args.processes > 1:
+    import chaos_multiprocess  # pylint: disable=import-outside-toplevel
+    return chaos_multiprocess.main(args)
   steps = args.steps or 5 * args.trials + 10
   rng = random.Random(args.seed)
   root = args.workdir or tempfile.mkdtemp(prefix="gem_jax_chaos_")
