@@ -12,7 +12,8 @@ import pytest
 from conftest import make_mesh
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig, export_state,
                                gather_rows, import_state, init_embedding_state, managed,
-                               plan_embeddings, pool_rows, prepare_ids, apply_sparse_updates)
+                               normal_init, plan_embeddings, pool_rows, prepare_ids,
+                               apply_sparse_updates)
 from managed_reference import RefMap
 
 ROWS, K, B = 64, 4, 16
@@ -100,3 +101,42 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
   if ttl:
     assert totals["expired"] > 0
 
+
+
+@pytest.mark.parametrize("force", ["sort", "fingerprint_ties", "long_windows"])
+def test_every_dedup_path_matches_reference(force, monkeypatch):
+  """The exact sort (always, or taken on fingerprint ties or windows of more distinct ids than
+  the neighbour ranking covers) and the single-key path give the reference's rows and maps."""
+  if force == "sort":
+    monkeypatch.setattr(managed, "_key_bits", lambda leads: 0)
+  elif force == "fingerprint_ties":   # 2-bit fingerprints: ties in most steps
+    monkeypatch.setattr(managed, "_key_bits", lambda leads: 2)
+  else:                               # windows of > 2 distinct ids sort, others rank by 1 neighbour
+    monkeypatch.setattr(managed, "_RUN_BOUND", 2)
+  ref = RefMap(ROWS, K, "lru", 3)
+  plan = _plan(make_mesh(2, 4), "lru", 3)
+  state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
+  for step, host in enumerate(_stream(11, 6)):
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    state, rows, counters = step_fn(state, ids, step)
+    _check(plan, state, host, rows, counters, ref, step)
+
+
+def test_fresh_rows_follow_the_initializer_per_row():
+  """Fresh rows: the initializer's distribution, a function of (key, row) only."""
+  t = TableConfig("u", rows=10_000, dim=64, id_policy="managed")
+  key = jax.random.key(3)
+  rows = jnp.arange(4096, dtype=jnp.int32)
+  w = np.asarray(managed._fresh_rows(t, key, rows))                       # (4096, 64)
+  s = 1 / np.sqrt(t.rows)
+  assert np.abs(w).max() <= s and abs(w.mean()) < 0.01 * s
+  assert w.std() == pytest.approx(s / np.sqrt(3), rel=0.01)
+  assert abs(np.corrcoef(w[:-1].ravel(), w[1:].ravel())[0, 1]) < 0.01     # rows r, r + 1
+  assert abs(np.corrcoef(w[:, :-1].ravel(), w[:, 1:].ravel())[0, 1]) < 0.01
+  again = np.asarray(managed._fresh_rows(t, key, rows[::-1][:7]))
+  np.testing.assert_array_equal(again, w[::-1][:7])                       # any order, any batch
+  other = np.asarray(managed._fresh_rows(t, jax.random.fold_in(key, 1), rows[:7]))
+  assert not np.any(other == w[:7])
+  tn = TableConfig("u", rows=10_000, dim=64, id_policy="managed", initializer=normal_init(0.02))
+  wn = np.asarray(managed._fresh_rows(tn, key, rows))
+  assert wn.std() == pytest.approx(0.02, rel=0.01) and abs(wn.mean()) < 0.001
