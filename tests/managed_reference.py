@@ -1,7 +1,8 @@
 """A plain-Python model of the managed-collision policy (gem_jax/embedding/managed.py).
 
 Dicts and lists only (the window hash is the one shared piece): windows of K rows,
-hits, misses in ascending id order taking free rows by (empty, expired, live by
+hits, a miss whose own expired entry is still in its window taking that row back, the
+other misses in ascending id order taking free rows by (empty, expired, live by
 eviction priority, row), the rest counted as collisions.
 """
 import numpy as np
@@ -57,6 +58,17 @@ class RefMap:
         p = (e["last"], 0) if self.eviction == "lru" else (e["count"], e["last"])
         return (cls, *p, r - w * self.K)
 
+      for x in list(misses):   # an expired id comes back to its own row (re-initialised)
+        r = next((r for r in rows if self.slot.get(r) is not None
+                  and self.slot[r]["id"] == x), None)
+        if r is not None:
+          misses.remove(x)
+          taken.add(r)
+          self.slot[r] = {"id": x, "last": step, "count": occ[x]}
+          self.inserted.add(x)
+          out[x] = r
+          c["inserts"] += 1
+          c["expired"] += 1
       free = sorted((r for r in rows if r not in taken), key=prio)
       for i, x in enumerate(misses):
         if i >= len(free):

@@ -140,3 +140,28 @@ def test_fresh_rows_follow_the_initializer_per_row():
   tn = TableConfig("u", rows=10_000, dim=64, id_policy="managed", initializer=normal_init(0.02))
   wn = np.asarray(managed._fresh_rows(tn, key, rows))
   assert wn.std() == pytest.approx(0.02, rel=0.01) and abs(wn.mean()) < 0.001
+
+
+def test_an_expired_id_takes_its_own_row_back():
+  """An id seen again after its TTL re-enters its own (re-initialised) row, not a second
+  row: the map never holds a key twice, so inference (which reads any id in the map)
+  reads the row training uses."""
+  plan = _plan(make_mesh(1, 2), "lru", 2)
+  state = init_embedding_state(plan, jax.random.key(0))
+  ref = RefMap(ROWS, K, "lru", 2)
+  step = _step_fn(plan)
+  x = np.array([[11, -1]] * B, np.int64)
+  batch = {"u": x, "u_hist": np.full((B, 3), -1, np.int64)}
+  rows = {}
+  for s in (0, 3):                                # 3 - 0 >= ttl: expired at step 3
+    host = prepare_ids(plan, batch)
+    state, rows[s], counters = step(state, host, s)
+    want, want_c = _check(plan, state, batch, rows[s], counters, ref, s)
+  assert int(rows[0]["u"][0, 0]) == int(rows[3]["u"][0, 0]) == want[11]
+  assert want_c["expired"] == want_c["inserts"] == 1 and want_c["used"] == 1
+  ids = managed.join_ids(np.stack([np.asarray(export_state(plan, state)["u"][k])
+                                   for k in ("map_hi", "map_lo")], -1))
+  assert (ids == 11).sum() == 1
+  _, got, _ = jax.jit(lambda st, i: managed.resolve(plan, st, i, 0, update=False))(
+      state, prepare_ids(plan, batch))
+  np.testing.assert_array_equal(np.asarray(got["u"]), np.asarray(rows[3]["u"]))

@@ -14,10 +14,13 @@ shard up to whole windows), so the policy does not depend on the mesh: a map res
 onto any mesh as it is. Per step, on the global batch's distinct ids, window by window:
   1. hit: x is in its window and live (ttl_steps = 0, or step - last < ttl_steps):
      last = step, count += its occurrences in the batch;
-  2. the misses of the window, in ascending raw-id order, take the window's free rows
-     in the order (empty, expired, live by eviction priority, row): LRU = oldest
-     `last` first, LFU = lowest `count`, then oldest; rows hit in this step are not
-     free. The i-th miss takes the i-th free row; the row and its optimizer slots
+  2. a miss whose own entry is still in the window, expired, takes that row back
+     (re-initialised as below, counted as an expired insert): a raw id is never the
+     key of two rows. The other misses of the window, in ascending raw-id order, take
+     the window's free rows in the order (empty, expired, live by eviction priority,
+     row): LRU = oldest `last` first, LFU = lowest `count`, then oldest; rows hit or
+     taken back in this step are not free. The i-th miss takes the i-th free row; the
+     row and its optimizer slots
      are re-initialised (fresh draw, default slots) and key = x, last = step,
      count = occurrences;
   3. a miss beyond the window's free rows (more new ids in one window and step than
@@ -374,9 +377,13 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
   live = m_hi >= 0
   if t.ttl_steps:
     live = live & (step - m_last < t.ttl_steps)
-  match = mine[:, None] & live & (m_hi == d_hi[:, None]) & (m_lo == d_lo[:, None])  # (M, K)
+  same = mine[:, None] & (m_hi >= 0) & (m_hi == d_hi[:, None]) & (m_lo == d_lo[:, None])
+  match = same & live                                                      # (M, K)
   hit = jnp.any(match, axis=1)
   hit_k = jnp.argmax(match, axis=1).astype(jnp.int32)
+  own = same & ~live                             # the id's own expired entry (TTL only)
+  back = jnp.any(own, axis=1) & ~hit             # it takes that row back: no duplicate key
+  own_k = jnp.argmax(own, axis=1).astype(jnp.int32)
 
   def by_position(local):                       # local row per distinct id -> global per input
     return jnp.where(local >= 0, shard * rps + local, -1)[inv]
@@ -386,8 +393,9 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
     dec = (nothing, d_hi, d_lo, occ, nothing, jnp.zeros((M, t.dim), jnp.float32))
     return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec
   wseg = _segments(d_lw)
-  taken = jax.ops.segment_max(match.astype(jnp.int32), wseg, M, indices_are_sorted=True)[wseg]
-  miss = mine & ~hit
+  claimed = (match | (own & back[:, None])).astype(jnp.int32)              # (M, K)
+  taken = jax.ops.segment_max(claimed, wseg, M, indices_are_sorted=True)[wseg]
+  miss = mine & ~hit & ~back
 
   def rank_in_order():                          # ids ascending within a window: misses before
     ahead = jnp.cumsum(miss) - miss
@@ -417,14 +425,16 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
   put = miss & (rank < free)
   vic_k = jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
   vic_cls = jnp.take_along_axis(cls, vic_k[:, None], axis=1)[:, 0]
-  local = jnp.where(hit, base + hit_k, jnp.where(put, base + vic_k, -1))   # (M,)
+  local = jnp.where(hit, base + hit_k, jnp.where(
+      back, base + own_k, jnp.where(put, base + vic_k, -1)))              # (M,)
 
-  upd = jnp.where(hit | put, local, rps)                                   # rps: dropped
+  new = put | back
+  upd = jnp.where(hit | new, local, rps)                                   # rps: dropped
   cnt = jnp.where(hit, jnp.take_along_axis(m_cnt, hit_k[:, None], axis=1)[:, 0], 0) + occ
-  reset = jnp.where(put, local, rps)                                       # rows re-initialised
+  reset = jnp.where(new, local, rps)                                       # rows re-initialised
   fresh = _fresh_rows(t, key, shard * rps + jnp.maximum(local, 0))         # (M, D)
   counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
-      mine, hit, put, put & (vic_cls == 2), put & (vic_cls == 1), miss & ~put,
+      mine, hit, new, put & (vic_cls == 2), back | (put & (vic_cls == 1)), miss & ~put,
       put & (vic_cls == 0))])
   return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset, fresh)
 
