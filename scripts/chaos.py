@@ -63,6 +63,11 @@ def child_env() -> dict:
 
 def logged_steps(workdir: str) -> list[tuple[int, float]]:
   """(step, train_loss) of every train row in metrics.jsonl (a torn last line is skipped)."""
+  return metric_rows(workdir, "train_loss")
+
+
+def metric_rows(workdir: str, field: str) -> list[tuple[int, float]]:
+  """(step, row[field]) of every metrics.jsonl row that has `field` (torn lines skipped)."""
   out = []
   try:
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -71,8 +76,8 @@ def logged_steps(workdir: str) -> list[tuple[int, float]]:
           row = json.loads(line)
         except ValueError:
           continue
-        if "train_loss" in row:
-          out.append((row["step"], row["train_loss"]))
+        if field in row:
+          out.append((row["step"], row[field]))
   except FileNotFoundError:
     pass
   return out
@@ -153,20 +158,27 @@ def state_difference(a_dir: str, b_dir: str, step: int) -> tuple[bool, float]:
   values up to 1, relative for larger ones such as eval sums); inf if the trees or a
   non-float leaf differ."""
   os.environ.update(child_env())  # 8 CPU devices, as the runs that wrote them
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   def load(d):
     with ocp.StandardCheckpointer() as ckptr:
       return ckptr.restore(os.path.join(d, "checkpoints", str(step), "state"))
 
-  (la, ta), (lb, tb) = jax.tree.flatten(load(a_dir)), jax.tree.flatten(load(b_dir))
+  return tree_difference(load(a_dir), load(b_dir))
+
+
+def tree_difference(a, b) -> tuple[bool, float]:
+  """(bit for bit equal, largest float-leaf difference max |a - b| / max(1, max |a|)) of two
+  pytrees; inf if the structures, a dtype or shape, or a non-float leaf differ."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  (la, ta), (lb, tb) = jax.tree.flatten(a), jax.tree.flatten(b)
   if ta != tb:
     return False, float("inf")
   equal, diff = True, 0.0
   for x, y in zip(la, lb):
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
     if x.dtype != y.dtype or x.shape != y.shape:
       return False, float("inf")
     equal = equal and np.array_equal(x, y)

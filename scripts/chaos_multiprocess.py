@@ -269,22 +269,8 @@ def restore_state(workdir: str, step: int):
 
 
 def state_difference(a_dir: str, b_dir: str, step: int) -> tuple[bool, float]:
-  """(bit for bit, largest difference) of two runs' states; see chaos.state_difference."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  (la, ta), (lb, tb) = (jax.tree.flatten(restore_state(d, step)) for d in (a_dir, b_dir))
-  if ta != tb:
-    return False, float("inf")
-  equal, diff = True, 0.0
-  for x, y in zip(la, lb):
-    x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
-    equal = equal and np.array_equal(x, y)
-    if np.issubdtype(x.dtype, np.floating) and x.size:
-      x64, y64 = x.astype(np.float64), y.astype(np.float64)
-      diff = max(diff, float(np.max(np.abs(x64 - y64)) / max(1.0, np.max(np.abs(x64)))))
-    elif not np.array_equal(x, y):
-      return False, float("inf")
-  return equal, diff
+  """(bit for bit, largest difference) of two runs' states; see chaos.tree_difference."""
+  return chaos.tree_difference(restore_state(a_dir, step), restore_state(b_dir, step))
 
 
 def compare(ref_dir: str, run_dir: str, steps: int) -> dict:

@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+import chaos
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RSS_SLOPE_MB_PER_H = 10.0
 STEP_DRIFT = 0.05
@@ -89,19 +91,7 @@ def checkpoint_dirs(path: str) -> int:
 
 def step_rows(workdir: str) -> list[tuple[int, float]]:
   """(step, step_time_s) of every train row of metrics.jsonl."""
-  out = []
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:
-          continue
-        if "step_time_s" in row:
-          out.append((row["step"], row["step_time_s"]))
-  except FileNotFoundError:
-    pass
-  return out
+  return chaos.metric_rows(workdir, "step_time_s")
 
 
 def slope_per_hour(ts: list[float], ys: list[float]) -> float:
