@@ -79,7 +79,10 @@ def test_enospc_during_async_save_is_reported_and_training_goes_on(tmp_path, sta
     assert re.fullmatch(r"checkpoint save failed at step 2: \S*/2\.orbax-checkpoint-tmp\S*: "
                         r"No space left on device \(ENOSPC\)", msg), msg
     assert msg in caplog.text and "committed checkpoints [1] untouched" in caplog.text
-    assert "removed" in caplog.text and "2.orbax-checkpoint-tmp" in caplog.text
+    # Its partial directory is removed then, or is already gone (Orbax's writes may still be
+    # creating or deleting it when the failure is collected): either way none is left below.
+    left = r"removed \[[^\]]*2\.orbax-checkpoint-tmp[^\]]*\]|no partial directory left"
+    assert re.search(rf"; ({left});", caplog.text), caplog.text
     ckpt.wait()
     assert ckpt.failures == 0 and not ckpt.last_save_failed
   assert sorted(int(n) for n in os.listdir(d) if n.isdigit()) == [3]
