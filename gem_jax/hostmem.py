@@ -36,10 +36,10 @@ def huge_pages_requested() -> bool:
   return TUNABLE + "=1" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def anon_huge_pages_mb() -> float:
-  """AnonHugePages of this process (MB), from /proc/self/smaps_rollup; 0 if unknown."""
+def anon_huge_pages_mb(pid: int | str = "self") -> float:
+  """AnonHugePages of process `pid` (MB), from /proc/PID/smaps_rollup; 0 if unknown."""
   try:
-    with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
       for line in f:
         if line.startswith("AnonHugePages:"):
           return int(line.split()[1]) / 1024

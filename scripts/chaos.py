@@ -190,6 +190,17 @@ def tree_difference(a, b) -> tuple[bool, float]:
   return equal, diff
 
 
+def run_dirs(workdir: str, prefix: str) -> tuple[str, str, str, str]:
+  """(root, compile cache, reference run, chaos run) under `workdir` (default: a new
+  temporary directory); both runs start empty, the cache is kept."""
+  root = workdir or tempfile.mkdtemp(prefix=prefix)
+  os.makedirs(root, exist_ok=True)
+  cache, ref_dir, run_dir = (os.path.join(root, n) for n in ("xla_cache", "reference", "chaos"))
+  for d in (ref_dir, run_dir):
+    shutil.rmtree(d, ignore_errors=True)
+  return root, cache, ref_dir, run_dir
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--trials", type=int, default=20)
@@ -206,11 +217,7 @@ def main(argv=None) -> dict:
     return chaos_multiprocess.main(args)
   steps = args.steps or 5 * args.trials + 10
   rng = random.Random(args.seed)
-  root = args.workdir or tempfile.mkdtemp(prefix="gem_jax_chaos_")
-  os.makedirs(root, exist_ok=True)
-  cache, ref_dir, run_dir = (os.path.join(root, n) for n in ("xla_cache", "reference", "chaos"))
-  for d in (ref_dir, run_dir):
-    shutil.rmtree(d, ignore_errors=True)
+  root, cache, ref_dir, run_dir = run_dirs(args.workdir, "gem_jax_chaos_")
   t0 = time.monotonic()
   ref = run_to_end(ref_dir, steps, cache)
   if ref.returncode != 0:

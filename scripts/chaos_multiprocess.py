@@ -46,7 +46,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import chaos
@@ -309,11 +308,7 @@ def _report(i: int, trials: int, r: dict) -> None:
 def main(args) -> dict:
   n, steps = args.processes, args.steps or 2 * args.trials + 10
   rng = random.Random(args.seed)
-  root = args.workdir or tempfile.mkdtemp(prefix="gem_jax_chaos_mp_")
-  os.makedirs(root, exist_ok=True)
-  cache, ref_dir, run_dir = (os.path.join(root, d) for d in ("xla_cache", "reference", "chaos"))
-  for d in (ref_dir, run_dir):
-    shutil.rmtree(d, ignore_errors=True)
+  root, cache, ref_dir, run_dir = chaos.run_dirs(args.workdir, "gem_jax_chaos_mp_")
   t0 = time.monotonic()
   ref = run_to_end(ref_dir, steps, cache, n, "reference")
   if any(ref["rcs"]):

@@ -39,6 +39,9 @@ import time
 
 import chaos
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gem_jax import hostmem  # noqa: E402  (imports no jax)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RSS_SLOPE_MB_PER_H = 10.0
 STEP_DRIFT = 0.05
@@ -57,18 +60,6 @@ def rss_mb(pid: int) -> dict | None:
   except (FileNotFoundError, ProcessLookupError):
     return None
   return out if "rss_mb" in out else None
-
-
-def huge_mb(pid: int) -> float:
-  """AnonHugePages of `pid` in MB (transparent huge pages in its RSS), 0 if unknown."""
-  try:
-    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("AnonHugePages:"):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return 0.0
 
 
 def dir_bytes(path: str) -> int:
@@ -246,7 +237,7 @@ def main(argv=None) -> dict:
         row_t[step] = t
       seen = len(rows)
       if rss is not None and rows:  # trained: the run is past its start-up
-        samples.append({"t": round(t, 1), **rss, "huge_mb": round(huge_mb(proc.pid), 1),
+        samples.append({"t": round(t, 1), **rss, "huge_mb": round(hostmem.anon_huge_pages_mb(proc.pid), 1),
                         "ckpts": checkpoint_dirs(os.path.join(workdir, "checkpoints")),
                         "cache_bytes": dir_bytes(cache), "step": rows[-1][0]})
       time.sleep(args.sample_s)
