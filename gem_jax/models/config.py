@@ -58,6 +58,12 @@ class GEMConfig:
     attn_impl, attn_chunk, attn_dense_max: how attention is computed (`AttentionImpl`:
       'auto' is dense up to attn_dense_max keys, above it chunked in attn_chunk-key steps
       with memory linear in L, or cuDNN on GPU where it applies; same results).
+    seq_pack_tokens, seq_pack_rows: packed histories (0, 0 = off, padded streams). Each
+      batch shard's histories, each with its num_cls CLS slots, are packed first-fit
+      decreasing into seq_pack_rows rows of seq_pack_tokens tokens (>= num_cls + max_len of
+      every stream); the sequence arch then runs on those rows (segment-masked attention),
+      so padding costs only the rows' unfilled tails. A batch shard whose histories do not
+      fit runs the padded path instead (same results). Masks 'full' and 'causal'.
   Heads:
     head_kind ('towers'|'mmoe'), head_hidden, num_experts, expert_hidden, trunk_hidden.
   DLRM / DCNv2 baselines:
@@ -98,6 +104,8 @@ class GEMConfig:
   attn_impl: str = "auto"
   attn_chunk: int = 256
   attn_dense_max: int = 1024
+  seq_pack_tokens: int = 0
+  seq_pack_rows: int = 0
   head_kind: str = "towers"
   head_hidden: tuple[int, ...] = (16,)
   num_experts: int = 4
