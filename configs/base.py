@@ -62,11 +62,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.movies = ""                  # movielens: movies.csv (genres); '' = none
   c.data.split_quantile = 0.8         # movielens: train/eval time split at this ratings quantile
   c.data.split_timestamp = 0          # movielens: > 0: split at this unix time instead
-  c.data.max_len = 50                 # movielens: history events kept (most recent)
+  c.data.max_len = 50                 # movielens: history events kept (most recent);
+                                      # long_history: the longest history (its L)
   c.data.max_genres = 10              # movielens: genres kept per movie
   c.data.like_threshold = 4.0         # movielens: label 1 when rating >= this
   c.data.preset = "tiny"              # synthetic: feature preset (gem_jax.data.synthetic)
-  c.data.seed = 0                     # synthetic, transfer_planted: generator seed
+  c.data.seed = 0                     # synthetic, transfer_planted, long_history: data seed
   c.data.train_examples = config_dict.placeholder(int)  # generated: train rows (None/0: endless)
   c.data.role = "teacher"             # transfer_planted: 'teacher' (old labels) or 'student'
   c.data.num_tables = 8               # torchrec_synthetic: tables (one feature each)
@@ -75,6 +76,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.alpha = 1.05                 # torchrec_synthetic: Zipf exponent of the ids
   c.data.peer_seed = 0                # torchrec_synthetic: the peer's --seed
   c.data.pool = 32                    # torchrec_synthetic: distinct batches, cycled
+  # long_history (gem_jax/data/long_history.py): n ~ LogNormal(log median, sigma) events,
+  # clipped to [1, max_len], 0 with p_empty; uniform items of `vocab`; the candidate is a
+  # deep event's item (older than the `recent` newest) with p_deep, a recent one's with
+  # p_recent; click logit bias + beta * 1[candidate in history]; gaps ~ Exp(mean_gap_s)
+  c.data.median = 300.0               # long_history: median history length
+  c.data.sigma = 1.0                  # long_history: log-normal sigma of the lengths
+  c.data.p_empty = 0.02               # long_history: share of users with no history
+  c.data.vocab = 100_000              # long_history: items (candidate and history share them)
+  c.data.recent = 64                  # long_history: the newest events a short model sees
+  c.data.p_deep = 0.35                # long_history: candidate from a deep event
+  c.data.p_recent = 0.15              # long_history: candidate from a recent event
+  c.data.beta = 3.0                   # long_history: logit of a match
+  c.data.bias = -1.5                  # long_history: logit without one
+  c.data.mean_gap_s = 3600.0          # long_history: mean seconds between events
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "gem"                # gem | dlrm | dcnv2 | lr | fm | fwfm (gem_jax.train.loop)

@@ -11,6 +11,8 @@ default the code used when the field was absent. One deliberate change since: th
 dataset configs (criteo, avazu, adult, alimama, movielens) train one pass by default
 (train.steps=0, train.epochs=1, best checkpoint and early stopping by eval log loss;
 criteo and avazu with batches of 128), their reference values updated with them.
+Configs added since (long_seq, long_seq_gpu) are recorded as added: their fields that
+differ from base's defaults.
 """
 import dataclasses
 import importlib.util
@@ -22,6 +24,7 @@ import sys
 from unittest import mock
 
 import jax
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -190,9 +193,31 @@ def compiles():
   return CompileCounter()
 
 
-@pytest.mark.parametrize("name", ("tiny", "small"))
+@pytest.mark.parametrize("name", ("tiny", "small", "long_seq"))
 def test_cpu_configs_validate_on_8_devices(name):
-  assert validate.check_config(load(name), 8) in ((2, 4),)
+  assert validate.check_config(load(name), 8) in ((2, 4), (1, 8))
+
+
+@pytest.mark.parametrize("name,devices", [("long_seq", 8), ("long_seq_gpu", 1)])
+def test_long_seq_configs(name, devices):
+  """long_history data, its sources build, packing sized for the stream plus the CLS slots
+  (the GPU config validates on its one GPU)."""
+  from gem_jax.data import registry  # pylint: disable=import-outside-toplevel
+  c = load(name)
+  assert validate.check_config(c, devices) == (1, devices)
+  train, ev = registry.make_sources(c.data)
+  (stream,) = train.spec.sequences
+  assert stream.max_len == c.data.max_len and ev.num_examples == c.data.eval_examples
+  model = model_config_lib.get_config(c.model.preset, **c.model.overrides)
+  assert model.seq_pack_tokens == stream.max_len + model.num_cls
+  rows = c.data.batch_size // devices                  # histories per batch shard
+  assert 2 <= model.seq_pack_rows < rows or rows <= 2
+  assert model.seq_pack_rows * model.seq_pack_tokens >= 1.5 * rows * (
+      model.num_cls + np.minimum(train.gen.lengths(20_000, np.random.default_rng(0)),
+                                 stream.max_len).mean())
+  if name == "long_seq_gpu":
+    assert "one GPU" in module(name).__doc__ and model.dtype == "bfloat16"
+    assert (model.d_model, stream.max_len, model.attn_impl) == (256, 8192, "auto")
 
 
 def test_large_mesh_needs_more_devices_than_one_node():

@@ -6,12 +6,14 @@ reads a file source in file order, once, and writes its good rows as Parquet
 row groups of `row_group_rows` rows, `rows_per_file` rows per file, then the
 metadata file (last, so a directory with a dataset.json is complete).
 
-Two parse paths, the same rows and bad-row reports:
+Three paths, the same rows and bad-row reports:
 * vectorised: a line source with `parse_block(data)` (Criteo, Avazu) gets the
   files in blocks of whole lines (`block_bytes`), parsed by `workers` threads
   (pyarrow releases the GIL) and written in order; a source with
   `vectorised_leaves()` (MovieLens: users, sorting and histories need the whole
   file) parses everything at once, or returns None for the row path;
+* generated: a source with `leaf_chunks(rows)` (long_history) yields one pass of its
+  rows as flat leaves, chunk by chunk (no bad rows);
 * row by row: any other source (Alimama, adult, own `StreamingSource`s, and
   MovieLens files with bad rows), through its `open_stream` / `decode` / `collate`.
 
@@ -208,6 +210,12 @@ def _row_chunks(source, counter: BadRowCounter, chunk_rows: int) -> Iterator[dic
     yield columnar.flatten(source.collate(examples))
 
 
+def _generated_chunks(source, counter: BadRowCounter, chunk_rows: int) -> Iterator[dict]:
+  for leaves in source.leaf_chunks(chunk_rows):
+    counter.good(len(leaves["domain"]))
+    yield leaves
+
+
 def convert(source, out_dir: str, *, kind: str, options: dict | None = None,
             row_group_rows: int = 65536, rows_per_file: int = 1 << 20, workers: int = 1,
             block_bytes: int = 16 << 20, compression: str = "lz4") -> dict:
@@ -221,6 +229,8 @@ def convert(source, out_dir: str, *, kind: str, options: dict | None = None,
   if whole is not None:   # a source that parses all of its files at once (MovieLens)
     counter.good(len(whole["domain"]))
     chunks, parser = [whole], "vectorised"
+  elif hasattr(source, "leaf_chunks"):   # generated rows (long_history)
+    chunks, parser = _generated_chunks(source, counter, row_group_rows), "generated"
   elif hasattr(source, "parse_block") and hasattr(source, "paths"):
     chunks, parser = _vectorised_chunks(source, counter, workers, block_bytes), "vectorised"
   else:

@@ -1,8 +1,10 @@
 """`make_sources(config.data)`: `data.kind` -> (train_source, eval_source).
 
-Built-in kinds: synthetic, criteo, avazu, movielens, alimama, adult. Each reader
-class has `from_config(data_cfg, split)` with split 'train' (reads `data.train`,
-shuffles with `data.shuffle_buffer`) or 'eval' (reads `data.eval`, file order).
+Built-in kinds: synthetic, long_history (both generated), criteo, avazu, movielens,
+alimama, adult. Each reader class has `from_config(data_cfg, split)` with split 'train'
+(reads `data.train`, shuffles with `data.shuffle_buffer`) or 'eval' (reads `data.eval`,
+file order); a generated kind other than synthetic draws its split's rows instead
+(long_history: gem_jax/data/long_history_source.py).
 Readers are imported lazily, so a run only imports what it uses. Own formats
 can be added with `register(kind, factory)` where `factory(data_cfg, split)`
 returns a source (see gem_jax/data/source.py).
@@ -24,6 +26,7 @@ _BUILTIN = {
     "movielens": "gem_jax.data.movielens:MovieLensSource",
     "alimama": "gem_jax.data.alimama:AlimamaSource",
     "adult": "gem_jax.data.adult:AdultSource",
+    "long_history": "gem_jax.data.long_history_source:LongHistorySource",  # generated
 }
 _CUSTOM: dict[str, Callable] = {}
 

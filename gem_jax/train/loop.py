@@ -258,6 +258,8 @@ def oracle_summary(eval_src, metrics: dict, n: int) -> dict:
     return {}
   oracle = eval_src.oracle_auc(n)
   out = {"oracle_auc": oracle["auc"]}
+  if "short_auc" in oracle:   # long_history: the best logit of the newest `recent` events
+    out["short_oracle_auc"] = oracle["short_auc"]
   if oracle["auc"] > 0.5:
     out["auc_gap_closed"] = (metrics["eval_auc"] - 0.5) / (oracle["auc"] - 0.5)
   return out
