@@ -380,20 +380,27 @@ class Attention(_Heads):
     self.qkv = Dense(d_model, 3 * d_model, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
                      kernel_axes=("embed", "heads"), rngs=rngs)
 
-  def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None, *,
+               seg: jax.Array | None = None, pos: jax.Array | None = None,
+               norm: float | None = None) -> jax.Array:
+    """seg, pos (B, L): packed rows (segment ids, in-segment positions for RoPE);
+    norm: N of the silu score (default: the key window)."""
     B, L, D = x.shape
+    if seg is not None and self.mask == "block_local":
+      raise ValueError("block_local attention has no packed-rows form (blocks would cross "
+                       "segments): use mask 'full' or 'causal'")
     qkv = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim)  # (B, L, 3, H, dh)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, L, H, dh)
     q, k = self._norm_qk(q, k)
     if self.rope:
-      pos = jnp.arange(L)
-      q, k = apply_rope(q, pos), apply_rope(k, pos)
+      p = jnp.arange(L) if pos is None else pos
+      q, k = apply_rope(q, p), apply_rope(k, p)
     if self.time_bias is not None and dt is None:
       raise ValueError("time_buckets > 0 needs dt (B, L)")
     o = multihead_attention(q, k, v, valid, score=self.score, mask=self.mask,
                             block_size=self.block_size, recent_first=self.recent_first,
-                            time_table=self._table(), dt_q=dt, dt_k=dt, impl=self.impl,
-                            dtype=self.dtype)  # (B, L, H, dh)
+                            time_table=self._table(), dt_q=dt, dt_k=dt, seg_q=seg, seg_k=seg,
+                            norm=norm, impl=self.impl, dtype=self.dtype)  # (B, L, H, dh)
     return self._project_out(o, valid)  # (B, L, D)
 
 
@@ -433,11 +440,23 @@ class CrossAttention(_Heads):
 
   def __call__(self, q: jax.Array, kv: jax.Array, kv_valid: jax.Array,
                kv_dt: jax.Array | None = None) -> jax.Array:
+    return self.attend(q, *self.kv_heads(kv), kv_valid, kv_dt)
+
+  def kv_heads(self, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys (QK-normed) and values per token: kv (B, L, D) -> two (B, L, H, dh).
+
+    Per token, so it may run on packed rows and be unpacked afterwards."""
     B, L, _ = kv.shape
-    qh = self._split(self.q_proj(q))  # (B, Q, H, dh)
     kvh = self.kv_proj(kv).reshape(B, L, 2, self.num_heads, self.head_dim)  # (B, L, 2, H, dh)
     kh, vh = kvh[:, :, 0], kvh[:, :, 1]  # (B, L, H, dh)
-    qh, kh = self._norm_qk(qh, kh)
+    return (kh if self.k_norm is None else self.k_norm(kh)), vh
+
+  def attend(self, q: jax.Array, kh: jax.Array, vh: jax.Array, kv_valid: jax.Array,
+             kv_dt: jax.Array | None = None) -> jax.Array:
+    """q (B, Q, D) onto `kv_heads` output (B, L, H, dh) -> (B, Q, D)."""
+    qh = self._split(self.q_proj(q))  # (B, Q, H, dh)
+    if self.q_norm is not None:
+      qh = self.q_norm(qh)
     if self.time_bias is not None and kv_dt is None:
       raise ValueError("time_buckets > 0 needs kv_dt (B, L)")
     o = multihead_attention(qh, kh, vh, kv_valid, score=self.score, mask="full",
@@ -474,6 +493,14 @@ class PMA(nnx.Module):
                                dtype=dtype, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
-    B = x.shape[0]
+    return self.pool(*self.kv_heads(x), valid)
+
+  def kv_heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per token (packed rows allowed): x (B, L, D) -> keys, values (B, L, H, dh)."""
+    return self.attn.kv_heads(self.norm(x))
+
+  def pool(self, kh: jax.Array, vh: jax.Array, valid: jax.Array) -> jax.Array:
+    """S + attend(S, keys, values): (B, L, H, dh) x 2, valid (B, L) -> (B, k, D)."""
+    B = kh.shape[0]
     s = jnp.broadcast_to(self.seeds[...].astype(self.dtype), (B,) + self.seeds.shape)  # (B, k, D)
-    return s + self.attn(s, self.norm(x), valid)  # (B, k, D)
+    return s + self.attn.attend(s, kh, vh, valid)  # (B, k, D)

@@ -57,7 +57,8 @@ class HSTU(nnx.Module):
     dtype, param_dtype, fp8: precision policy of `Dense`.
 
   Call: (x (B, L, D), valid bool (B, L), dt (B, L) seconds or None, *, seg (B, L) int or
-  None (packed rows), pos (B, L) int or None) -> (B, L, D) in dtype.
+  None (packed rows), pos (B, L) int or None, norm (N of the silu, overriding norm_len) or
+  None) -> (B, L, D) in dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, mask: str = "causal",
@@ -84,7 +85,8 @@ class HSTU(nnx.Module):
                            (None, "heads")) if pos_buckets else None)
 
   def __call__(self, x: jax.Array, valid: jax.Array, dt: jax.Array | None = None, *,
-               seg: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
+               seg: jax.Array | None = None, pos: jax.Array | None = None,
+               norm: float | None = None) -> jax.Array:
     B, L, D = x.shape
     if self.time_bias is not None and dt is None:
       raise ValueError("time_buckets > 0 needs dt (B, L)")
@@ -98,7 +100,8 @@ class HSTU(nnx.Module):
         time_table=None if self.time_bias is None else self.time_bias[...],
         dt_q=dt, dt_k=dt, pos_table=None if self.pos_bias is None else self.pos_bias[...],
         pos_q=pos, pos_k=pos, seg_q=seg, seg_k=seg,
-        norm=None if self.norm_len is None else float(self.norm_len), impl=self.impl,
+        norm=(norm if norm is not None else
+              None if self.norm_len is None else float(self.norm_len)), impl=self.impl,
         dtype=self.dtype)  # (B, L, H, dh)
     gated = self.out_norm(o.reshape(B, L, D)) * u.reshape(B, L, D)  # (B, L, D)
     y = self.out(gated.astype(self.dtype))  # (B, L, D)

@@ -50,6 +50,7 @@ FLOPs: `interformer_flops` (the injected interaction module is not included).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax.layers import packed
 from gem_jax.layers.attention import PMA, Attention, AttentionImpl, attention_flops, pma_flops
 from gem_jax.layers.dense import Dense, lowp_einsum, param
 from gem_jax.layers.hstu import HSTU, hstu_flops
@@ -121,6 +123,17 @@ class PFFN(nnx.Module):
                     self.dtype) / math.sqrt(self.d_model)  # (B, L, m)
     h = jax.nn.gelu(h).astype(self.dtype)
     y = lowp_einsum("blm,bmd->bld", h, v, self.dtype)  # (B, L, D)
+    return s.astype(self.dtype) + y.astype(self.dtype)
+
+  def packed(self, x_sum: jax.Array, s: jax.Array, to_tokens) -> jax.Array:
+    """The same on packed rows: s (R, T, D), to_tokens maps per-user (B, ...) to each
+    token's user (R, T, ...) -> (R, T, D)."""
+    k = to_tokens(self.w_k(x_sum))  # (R, T, m, D)
+    v = to_tokens(self.w_v(x_sum))  # (R, T, m, D)
+    h = lowp_einsum("rtd,rtmd->rtm", self.norm(s), k,
+                    self.dtype) / math.sqrt(self.d_model)  # (R, T, m)
+    h = jax.nn.gelu(h).astype(self.dtype)
+    y = lowp_einsum("rtm,rtmd->rtd", h, v, self.dtype)  # (R, T, D)
     return s.astype(self.dtype) + y.astype(self.dtype)
 
 
@@ -229,17 +242,21 @@ class SequenceBranch(nnx.Module):
 
   def summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
     """S_sum,i = Gating(LN([S_CLS ; PMA(S) ; S_recent])) -> (B, c + p + r, D)."""
-    B, L, D = s.shape
+    pooled = self.pma(s, valid) if self.pma is not None else None  # (B, p, D)
+    r = self.num_recent
+    return self._summarize(s_cls, pooled, s[:, :r], valid[:, :r])
+
+  def _summarize(self, s_cls, pooled, rec, ok) -> jax.Array:
+    """Gating(LN([S_CLS ; pooled ; rec])); rec (B, <= r, D) the newest events, ok valid."""
+    B = s_cls.shape[0]
     parts = [s_cls]  # (B, c, D)
-    if self.pma is not None:
-      parts.append(self.pma(s, valid))  # (B, p, D)
+    if pooled is not None:
+      parts.append(pooled)  # (B, p, D)
     r = self.num_recent
     if r:
-      rec = s[:, :r]  # (B, min(r, L), D)
-      ok = valid[:, :r]
-      if L < r:
-        rec = jnp.pad(rec, [(0, 0), (0, r - L), (0, 0)])
-        ok = jnp.pad(ok, [(0, 0), (0, r - L)])
+      if rec.shape[1] < r:
+        rec = jnp.pad(rec, [(0, 0), (0, r - rec.shape[1]), (0, 0)])
+        ok = jnp.pad(ok, [(0, 0), (0, r - ok.shape[1])])
       parts.append(jnp.where(ok[:, :, None], rec, jnp.zeros((), rec.dtype)))  # (B, r, D)
     summary = self.s_norm(jnp.concatenate(parts, axis=1))  # (B, c + p + r, D)
     if r:  # keep the missing recent tokens at exactly 0 after the norm
@@ -252,6 +269,50 @@ class SequenceBranch(nnx.Module):
     s_cls, s_new = remat_call(type(self).sequence, self.remat, self, x_sum, s, valid,
                               dt)  # (B, c, D), (B, L, D)
     return s_new, self.summary(s_cls, s_new, valid)  # (B, L, D), (B, c + p + r, D)
+
+  def packed_sequence(self, x_sum, s, dt, pk: packed.Packing, *, keep: int):
+    """`sequence` on packed rows: s, dt (R, T, ...) with CLS slots, events kept: the newest
+    `keep` of each user. Returns S' (R, T, D) (CLS outputs in their slots)."""
+    c = self.num_cls
+    G, R, T = pk.user.shape
+    slot = pk.slot.reshape(G * R, T)
+    valid = (pk.valid & (pk.slot < c + keep)).reshape(G * R, T)  # (R, T)
+    seg = pk.seg.reshape(G * R, T)
+    u = self.pffn.packed(x_sum, s.astype(self.dtype), lambda t: packed.per_token(pk, t))
+    if c:
+      is_cls = slot < c  # (R, T)
+      cls = jnp.take(self.cls[...].astype(self.dtype), jnp.minimum(slot, c - 1), axis=0)
+      u = jnp.where(is_cls[..., None], cls, u)  # (R, T, D)
+      if dt is not None:
+        dt = jnp.where(is_cls, 0.0, dt.astype(jnp.float32))
+    norm = float(c + keep)  # the padded path's key length
+    if self.hstu is not None:
+      u = self.hstu(u, valid, dt if self.hstu.time_bias is not None else None, seg=seg,
+                    pos=slot, norm=norm)  # (R, T, D)
+    else:
+      u = u + self.attn(self.attn_norm(u), valid, dt, seg=seg, pos=slot, norm=norm)
+    return u
+
+  def packed(self, x_sum, s, dt, pk: packed.Packing, keep: int):
+    """`__call__` on packed rows -> (S' (R, T, D), s_sum (B, c + p + r, D)).
+
+    S_CLS, the PMA's keys and values (computed per token, packed) and the recent events
+    are unpacked per user; only those tensors of (B, keep) tokens are padded."""
+    c, r = self.num_cls, self.num_recent
+    u = remat_call(functools.partial(type(self).packed_sequence, keep=keep), self.remat, self,
+                   x_sum, s, dt, pk)  # (R, T, D)
+    lengths = jnp.minimum(pk.lengths.reshape(-1), keep)  # (B,)
+    s_cls = packed.unpack(pk, u, 0, c)  # (B, c, D)
+    pooled = None
+    if self.pma is not None:
+      kh, vh = self.pma.kv_heads(u)  # (R, T, H, dh)
+      ev = jnp.arange(keep)[None, :] < lengths[:, None]  # (B, keep)
+      pooled = self.pma.pool(packed.unpack(pk, kh, c, c + keep),
+                             packed.unpack(pk, vh, c, c + keep), ev)  # (B, p, D)
+    k = min(r, keep)
+    rec = packed.unpack(pk, u, c, c + k)  # (B, k, D)
+    ok = jnp.arange(k)[None, :] < lengths[:, None]  # (B, k)
+    return u, self._summarize(s_cls, pooled, rec, ok)
 
 
 class InterFormerBlock(nnx.Module):
@@ -343,10 +404,25 @@ class InterFormerBlock(nnx.Module):
             for branch, (s_i, v_i, dt_i) in zip(self.branches, streams)]
     s_new = [o[0] for o in outs]  # K x (B, L_i, D)
     s_sum = jnp.concatenate([o[1] for o in outs], axis=1)  # (B, K (c + p + r), D)
+    x_new = self._interact(x, s_sum)
+    return x_new, (s_new[0] if single else s_new), x_sum, s_sum
+
+  def packed(self, x: jax.Array, streams: Sequence[tuple]):
+    """The block on packed streams [(s_i (R_i, T_i, D), dt_i or None, Packing_i, keep_i)]
+    -> (x', [s'_i (R_i, T_i, D)], x_sum, s_sum): the same values as `__call__`."""
+    if len(streams) != self.num_streams:
+      raise ValueError(f"got {len(streams)} streams, the block has {self.num_streams} branches")
+    x_sum = self.x_summary(x)  # (B, m, D)
+    outs = [branch.packed(x_sum, s_i, dt_i, pk_i, keep_i)
+            for branch, (s_i, dt_i, pk_i, keep_i) in zip(self.branches, streams)]
+    s_sum = jnp.concatenate([o[1] for o in outs], axis=1)  # (B, K (c + p + r), D)
+    return self._interact(x, s_sum), [o[0] for o in outs], x_sum, s_sum
+
+  def _interact(self, x: jax.Array, s_sum: jax.Array) -> jax.Array:
+    """X' = the first n' tokens of interaction([X ; S_sum])  -> (B, n', D)."""
     z = self.interaction(jnp.concatenate([x.astype(self.dtype), s_sum], axis=1))
     n_out = self.n_out_tokens
     if z.shape[1] not in (n_out, n_out + self.n_s_summary):
       raise ValueError(f"interaction returned {z.shape[1]} tokens; expected {n_out} "
                        f"or {n_out + self.n_s_summary}")
-    x_new = z[:, :n_out].astype(self.dtype)  # (B, n', D)
-    return x_new, (s_new[0] if single else s_new), x_sum, s_sum
+    return z[:, :n_out].astype(self.dtype)  # (B, n', D)

@@ -24,6 +24,15 @@ stream, m = X-summary tokens, Q = candidate queries; docs/model.md has the diagr
   trunk = MLP([flatten([X; X_sum; S_sum; T_1..T_K]); P])         (B, H)
   logits = MultiTaskHeads(trunk, domain)                         (B, n_tasks) fp32
 
+Packed histories (cfg.seq_pack_tokens > 0): each batch shard packs its users' histories,
+each behind its c CLS slots, into cfg.seq_pack_rows rows of seq_pack_tokens tokens
+(`gem_jax.layers.packed`), and the branches run on those rows with attention masked to
+each history; S_CLS, the PMA's and the target attention's keys/values and the recent
+tokens are unpacked per user. Same function as the padded path (tests/test_gem_packed.py);
+the pyramid masks the older events instead of cropping them. If a shard's histories do not
+fit, the logits are NaN: the trainer's non-finite guard skips and counts that step (an
+exact padded fallback under lax.cond kept both branches' buffers: 3x the packed memory).
+
 Streams are the parallel branches of the pyramid-parallel stack (GEM.md §3.2): every
 stream keeps its own length schedule and its own sequence weights in every block; the
 streams meet only in S_sum (the Wukong interaction and the trunk) and in the trunk via T_i.
@@ -43,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.data.spec import DataSpec
+from gem_jax.layers import packed
 from gem_jax.layers.attention import AttentionImpl, CrossAttention
 from gem_jax.layers.dense import lowp_einsum, param
 from gem_jax.layers.features import DenseTokenizer, SequenceEmbedder, SparseProjector
@@ -51,7 +61,7 @@ from gem_jax.layers.interformer import InterFormerBlock
 from gem_jax.layers.mlp import MLP
 from gem_jax.layers.wukong import FM, CrossLayerAttention, WukongLayer
 from gem_jax.models.config import GEMConfig
-from gem_jax.parallel.sharding import constrain_batch
+from gem_jax.parallel.sharding import batch_groups, constrain_batch
 
 
 def pyramid_lengths(cfg: GEMConfig, max_len: int) -> tuple[int, ...]:
@@ -65,6 +75,20 @@ def pyramid_lengths(cfg: GEMConfig, max_len: int) -> tuple[int, ...]:
     prev = max(1, min(prev, math.ceil(f * max_len)))
     out.append(prev)
   return tuple(out)
+
+
+def check_packing(cfg: GEMConfig, spec: DataSpec) -> None:
+  """One-line ValueErrors for packed-history settings the model cannot run."""
+  if cfg.seq_pack_rows < 1:
+    raise ValueError(f"seq_pack_tokens={cfg.seq_pack_tokens} needs seq_pack_rows >= 1 "
+                     f"(rows per batch shard), got {cfg.seq_pack_rows}")
+  if cfg.attn_mask == "block_local":
+    raise ValueError("seq_pack_tokens > 0 needs attn_mask 'full' or 'causal': block_local "
+                     "blocks would cross the packed histories")
+  for s in spec.sequences:
+    if cfg.num_cls + s.max_len > cfg.seq_pack_tokens:
+      raise ValueError(f"seq_pack_tokens={cfg.seq_pack_tokens} cannot hold stream {s.name!r}: "
+                       f"num_cls {cfg.num_cls} + max_len {s.max_len} tokens")
 
 
 def front_tokens(cfg: GEMConfig, spec: DataSpec) -> int:
@@ -90,6 +114,9 @@ class GEM(nnx.Module):
     self.n_tokens = n
     self.num_branches = k = max(len(self.streams), 1)  # no streams: one dummy branch
     self.n_summary = cfg.num_cls + cfg.num_pma + cfg.num_recent  # per stream
+    self.packing = bool(cfg.seq_pack_tokens) and bool(self.streams)
+    if self.packing:
+      check_packing(cfg, spec)
     emb = nnx.initializers.normal(1.0 / math.sqrt(d))
     # Front end.
     self.dense_tok = DenseTokenizer(spec.n_dense, cfg.n_dense_tokens, d, cfg.dense_hidden,
@@ -189,11 +216,42 @@ class GEM(nnx.Module):
       out.append((x[:, :keep], valid[:, :keep], dt[:, :keep]))  # (B, L_i^l, d), ...
     return out
 
-  def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
-    b = inputs["dense"].shape[0]
-    x0 = constrain_batch(self.tokens(inputs))  # (B, n0, d)
-    x = self._mix(self.token_mix, x0) if self.token_mix is not None else x0  # (B, n or n0, d)
-    streams = self.sequences(inputs, b)  # K x (S_i (B, L_i, d), valid_i, dt_i)
+  def plans(self, inputs: Mapping[str, Any]) -> list[packed.Packing]:
+    """Per stream, the packing of each batch shard's histories (`gem_jax.layers.packed`).
+
+    Lengths are the mask's counts: the model contract's masks are prefixes (events
+    [0, len) valid), as every gem_jax batch builds them."""
+    cfg = self.cfg
+    return [packed.plan(jnp.sum(inputs["seq"][name]["mask"], axis=1), groups=batch_groups(),
+                        num_cls=cfg.num_cls, width=inputs["seq"][name]["mask"].shape[1],
+                        rows=cfg.seq_pack_rows, capacity=cfg.seq_pack_tokens)
+            for name in self.streams]
+
+  def packed_sequences(self, inputs: Mapping[str, Any], plans: list[packed.Packing]):
+    """Per stream (x (R, T, d), dt (R, T)) on packed rows; CLS slots and padding 0."""
+    out, c = [], self.cfg.num_cls
+    for i, (name, embed, pk) in enumerate(zip(self.streams, self.seq_emb, plans)):
+      s = inputs["seq"][name]
+
+      def pack(t):
+        return packed.pack_events(pk, t, c)
+
+      rows, t = pk.rows, pk.user.shape[2]
+      events = (pk.valid & (pk.slot >= c)).reshape(rows, t)  # (R, T)
+      x, valid, dt = embed({f: pack(v) for f, v in s["items"].items()}, pack(s["action"]),
+                           pack(s["surface"]), pack(s["dt"]), events)
+      x = x + self.stream_emb[...][i].astype(self.dtype)
+      out.append((jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)), dt))  # (R, T, d)
+    return out
+
+  def _targets(self, x: jax.Array) -> jax.Array:
+    """The target queries W_q X  -> (B, Q, d)."""
+    return lowp_einsum("qn,bnd->bqd", self.query_mix[...], x,
+                       self.dtype).astype(self.dtype)  # (B, Q, d)
+
+  def _interleave(self, inputs, x, x0):
+    """The blocks on padded streams -> (X_N (B, n, d), X_sum, seq_summary)."""
+    streams = self.sequences(inputs, x.shape[0])  # K x (S_i (B, L_i, d), valid_i, dt_i)
     history = [x if self.history_proj is None else self._mix(self.history_proj, x0)]
     x_sum = s_sum = None
     for l, block in enumerate(self.blocks):
@@ -203,11 +261,44 @@ class GEM(nnx.Module):
       x = constrain_batch(x)
       history.append(x)
       streams = [(constrain_batch(s_i), v_i, dt_i) for s_i, (_, v_i, dt_i) in zip(seqs, streams)]
-    q = lowp_einsum("qn,bnd->bqd", self.query_mix[...], x,
-                    self.dtype).astype(self.dtype)  # (B, Q, d)
+    q = self._targets(x)  # (B, Q, d)
     targets = [attn(q, s_i, v_i).astype(self.dtype)  # (B, Q, d) per stream
                for attn, (s_i, v_i, _) in zip(self.target_attn, streams)]
-    seq_summary = jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
+    return x, x_sum, jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
+
+  def _interleave_packed(self, inputs, x, x0, plans):
+    """`_interleave` on packed rows: the same values, FLOPs on the rows' tokens."""
+    streams = self.packed_sequences(inputs, plans)  # K x (S_i (R_i, T_i, d), dt_i)
+    history = [x if self.history_proj is None else self._mix(self.history_proj, x0)]
+    x_sum = s_sum = None
+    for l, block in enumerate(self.blocks):
+      keep = [lengths[l] for lengths in self.lengths]
+      x_in = x if (l == 0 or self.cross_layer is None) else self.cross_layer(history, l)
+      x, seqs, x_sum, s_sum = block.packed(
+          x_in, [(s_i, dt_i, pk, k) for (s_i, dt_i), pk, k in zip(streams, plans, keep)])
+      x = constrain_batch(x)
+      history.append(x)
+      streams = [(constrain_batch(s_i), dt_i) for s_i, (_, dt_i) in zip(seqs, streams)]
+    q, c = self._targets(x), self.cfg.num_cls
+    targets = []
+    for attn, (s_i, _), pk, k in zip(self.target_attn, streams, plans, keep):
+      kh, vh = attn.kv_heads(s_i)  # (R, T, H, dh), per token
+      ev = jnp.arange(k)[None, :] < jnp.minimum(pk.lengths.reshape(-1), k)[:, None]  # (B, k)
+      targets.append(attn.attend(q, packed.unpack(pk, kh, c, c + k),
+                                 packed.unpack(pk, vh, c, c + k), ev).astype(self.dtype))
+    return x, x_sum, jnp.concatenate([s_sum] + targets, axis=1)  # (B, K (c+p+r+Q), d)
+
+  def __call__(self, inputs: Mapping[str, Any], return_aux: bool = False):
+    b = inputs["dense"].shape[0]
+    x0 = constrain_batch(self.tokens(inputs))  # (B, n0, d)
+    x = self._mix(self.token_mix, x0) if self.token_mix is not None else x0  # (B, n or n0, d)
+    fits = None
+    if self.packing:  # packed rows; NaN logits where a shard's histories do not fit
+      plans = self.plans(inputs)
+      fits = jnp.all(jnp.stack([pk.fits for pk in plans]))
+      x, x_sum, seq_summary = self._interleave_packed(inputs, x, x0, plans)
+    else:
+      x, x_sum, seq_summary = self._interleave(inputs, x, x0)
     feats = constrain_batch(jnp.concatenate([x, x_sum, seq_summary], axis=1))  # (B, n+m+K(c+p+r+Q), d)
     feats = feats.reshape(b, -1)
     if self.trunk_gate is not None:  # the deep features start closed (ReZero)
@@ -216,6 +307,8 @@ class GEM(nnx.Module):
       feats = jnp.concatenate([feats, self.front_pairs(x0).astype(feats.dtype)], axis=1)
     trunk = self.trunk(feats)  # (B, H)
     logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
+    if fits is not None:  # never a silently wrong logit: the trainer skips and counts it
+      logits = jnp.where(fits, logits, jnp.nan)
     if return_aux:
       return logits, {"trunk": trunk, "seq_summary": seq_summary.reshape(b, -1), "x": x}
     return logits

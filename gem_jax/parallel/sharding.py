@@ -83,6 +83,19 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(RULES["batch"])))
 
 
+def batch_groups() -> int:
+  """Batch shards of the activation mesh (1 outside `activation_sharding`)."""
+  mesh = _ACTIVATION_MESH.get()
+  if mesh is None:
+    return 1
+  axes = RULES["batch"]
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  return n
+
+
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 

@@ -25,6 +25,7 @@ evaluation, the benchmarks and knowledge transfer); evaluation passes are
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train import nonfinite
+from gem_jax.train import packing as packing_lib
 from gem_jax.train import preemption
 from gem_jax.train import report
 from gem_jax.train import setup as setup_lib
@@ -148,6 +150,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                       "xla_compile_s": timing.compile_s, "train_flops_per_example": flops,
                       "xla_train_flops_per_example": xla_flops or float("nan"),
                       "peak_flops_per_device": peak or 0.0})
+  fit = setup_lib.packing_fit(config, s.spec)
+  if fit is not None:  # packed histories: batches that do not fit step padded
+    padded_cfg = dataclasses.replace(s.step_cfg, graphdef=s.eval_cfg.graphdef)
+    train_fn = packing_lib.PackedOrPadded(
+        train_fn, lambda: step_lib.jit_train_step(
+            padded_cfg, s.shardings, batch_sh, skip_nonfinite=True,
+            inject_nan_step=config.train.inject_nan_step), fit)
   logging.info("train step lowered in %.1f s, compiled in %.1f s", timing.lower_s,
                timing.compile_s)
 
@@ -186,6 +195,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         host.update(report.throughput(n_log * batch_size, time.perf_counter() - t_log,
                                       n_log, flops, jax.device_count(), peak))
         host.update(collisions.metrics() if collisions is not None else {})
+        if fit is not None:  # steps so far whose batch did not fit the packed rows
+          host["pack_fallback_steps"] = float(train_fn.fallbacks)
         writer.write(step, host)
         progress.update(step, host)
         last, running, n_log = host, None, 0

@@ -39,6 +39,7 @@ from gem_jax.parallel.mesh import make_mesh
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train import nonfinite
 from gem_jax.train import optim
+from gem_jax.train import packing as packing_lib
 from gem_jax.train import report
 from gem_jax.train import state as state_lib
 from gem_jax.train import step as step_lib
@@ -337,6 +338,21 @@ def model_config(model_cfg):
                       f"{sorted(overrides)}): {e}") from None
 
 
+def packing_fit(config, spec: DataSpec) -> packing_lib.Fit | None:
+  """The host-side check of GEM's packed histories (gem_jax/train/packing.py), or None."""
+  if config.model.name != "gem":
+    return None
+  return packing_lib.Fit.from_config(model_config(config.model), spec, config.train.grad_accum)
+
+
+def padded_model(model_cfg):
+  """The `model` block with packed histories off (seq_pack_tokens = 0)."""
+  out = model_cfg.copy_and_resolve_references()
+  with out.unlocked():
+    out.overrides = dict(out.get("overrides", {}), seq_pack_tokens=0, seq_pack_rows=0)
+  return out
+
+
 def model_factory(model_cfg, spec: DataSpec, feature_dims: dict) -> Callable[[nnx.Rngs], nnx.Module]:
   """rngs -> model, from the `model` block (name, preset, overrides, dtype, fp8, remat)."""
   entry = model_entry(model_cfg.name)
@@ -472,6 +488,11 @@ def setup(config) -> Setup:
   step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,
                                  config.train.grad_accum)
   eval_cfg = dataclasses.replace(step_cfg, plan=eval_plan, grad_accum=1)
+  if packing_fit(config, spec) is not None:
+    # Evaluation, prediction and export run the padded twin (same parameters): exact for
+    # any batch; training steps packed where a batch fits (gem_jax/train/packing.py).
+    eval_cfg = dataclasses.replace(eval_cfg, graphdef=state_lib.model_graphdef(
+        model_factory(padded_model(config.model), spec, feature_dims)))
   return Setup(mesh, spec, train_src, eval_src, plan, eval_plan, model_fn, feature_dims, p.tx,
                step_cfg, eval_cfg, p.abstract, p.shardings, p.acc_fn, p.emb_init, steps)
 
