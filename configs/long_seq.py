@@ -19,8 +19,8 @@ Model: GEM 'tiny' preset with d_model 32 and one InterFormer block; 8 simulated 
 devices (scripts/train.py), global batch 32 = 4 histories per device. The padded path
 runs every history at 1024 events; packed histories (model.overrides seq_pack_tokens /
 seq_pack_rows, below) let a batch shard's ~1.6k events fill 3 rows of 1028 tokens
-instead of 4 (the model reads these fields once packing lands; until then they are
-ignored and the run is the same). Also as a converted dataset:
+instead of 4 (a batch that does not fit steps padded, counted in pack_fallback_steps;
+gem_jax/train/packing.py). Also as a converted dataset:
 
   python scripts/preprocess.py --config configs/long_seq.py --out /tmp/long_seq_data \
       --config.data.train_examples=16384 --row_group_rows=4096

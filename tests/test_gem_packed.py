@@ -166,19 +166,48 @@ def _long_seq_run(workdir, rows, steps=3):
   out = loop.train_and_evaluate(c, str(workdir))
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     lines = [json.loads(line) for line in f]
-  return out, {r["step"]: r for r in lines if "train_loss" in r}
+  return out, {r["step"]: r for r in lines if "train_loss" in r}, lines[0]
 
 
 @pytest.mark.slow  # three short trainer runs: ~2 min on 2 loaded cores
 def test_trainer_steps_packed_where_batches_fit_and_padded_where_not(tmp_path):
-  """Same losses step for step (1e-5) for padded, packed and all-fallback runs; the
-  fallback count is reported, and evaluation (the padded twin) agrees."""
-  pad_out, pad = _long_seq_run(tmp_path / "pad", rows=0)
-  pk_out, pk = _long_seq_run(tmp_path / "pk", rows=2)
-  fb_out, fb = _long_seq_run(tmp_path / "fb", rows=1)  # 2 histories never fit 1 row of 68
+  """Same losses step for step (1e-5) for padded, packed (rows balanced over the shards)
+  and all-fallback runs; the fallback count is reported, and evaluation (the padded
+  twin) agrees."""
+  pad_out, pad, pad_head = _long_seq_run(tmp_path / "pad", rows=0)
+  pk_out, pk, pk_head = _long_seq_run(tmp_path / "pk", rows=2)
+  _, fb, _ = _long_seq_run(tmp_path / "fb", rows=1)  # 2 histories never fit 1 row of 68
   assert "pack_fallback_steps" not in pad[3]
+  # MFU counts useful FLOPs (the first batch's real lengths) when packing, padded otherwise
+  assert (pad_head["flops_count"], pk_head["flops_count"]) == ("padded",
+                                                                "real_tokens_first_batch")
+  assert pk_head["train_flops_per_example"] < pad_head["train_flops_per_example"]
   assert pk[3]["pack_fallback_steps"] == 0 and fb[3]["pack_fallback_steps"] == 3
   for step in (1, 2, 3):
     assert abs(pk[step]["train_loss"] - pad[step]["train_loss"]) <= 1e-5, step
     assert abs(fb[step]["train_loss"] - pad[step]["train_loss"]) <= 1e-5, step
   assert abs(pk_out["eval_auc"] - pad_out["eval_auc"]) <= 1e-4
+
+
+def test_balanced_reorders_rows_evenly_and_fit_replays_the_device_plan():
+  """`balanced`: a permutation of every batch leaf (rows stay whole), shards' event counts
+  within the longest history; `Fit.shard_fits` agrees with the device plan's `fits`."""
+  from gem_jax.train import packing as packing_lib  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  n, shards = 32, 4
+  lengths = np.sort(rng.integers(0, L + 1, n))[::-1].copy()  # sorted: the worst order
+  batch = {"seq": {"s": {"len": lengths}}, "labels": np.arange(n)[:, None],
+           "ids": {"f": np.arange(n) * 10}}
+  fit = packing_lib.Fit(("s",), num_cls=2, tokens=L + 2, rows=3)
+  out = packing_lib.balanced(fit, shards)(batch)
+  perm = out["labels"][:, 0]
+  assert sorted(perm.tolist()) == list(range(n))
+  np.testing.assert_array_equal(out["seq"]["s"]["len"], lengths[perm])
+  np.testing.assert_array_equal(out["ids"]["f"], perm * 10)
+  per_shard = out["seq"]["s"]["len"].reshape(shards, -1).sum(1)
+  assert per_shard.max() - per_shard.min() <= lengths.max()
+  assert np.ptp(lengths.reshape(shards, -1).sum(1)) > np.ptp(per_shard)
+  for shard in (lengths[:8], lengths[-8:], out["seq"]["s"]["len"][:8]):
+    device = packed.plan(jnp.asarray(shard), groups=1, num_cls=2, width=L, rows=3,
+                         capacity=L + 2).fits
+    assert fit.shard_fits(shard) == bool(device)

@@ -83,9 +83,10 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(RULES["batch"])))
 
 
-def batch_groups() -> int:
-  """Batch shards of the activation mesh (1 outside `activation_sharding`)."""
-  mesh = _ACTIVATION_MESH.get()
+def batch_groups(mesh: Mesh | None = None) -> int:
+  """Batch shards of `mesh`, by default of the activation mesh (1 outside
+  `activation_sharding`)."""
+  mesh = _ACTIVATION_MESH.get() if mesh is None else mesh
   if mesh is None:
     return 1
   axes = RULES["batch"]

@@ -34,9 +34,11 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from absl import logging
 
 from gem_jax.data import pipeline
+from gem_jax.parallel import sharding as shd
 from gem_jax.parallel import distributed as dist
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
@@ -132,9 +134,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   hashed = any(t.id_policy in ("hash", "clip") for t in s.plan.tables.values())
   collisions = (report.IdCollisions()
                 if hashed and config.train.id_collision_metrics else None)
-  batches = pipeline.Prefetcher(train_it, put_fn=setup_lib.device_putter(s.plan, s.mesh,
-                                                                        collisions),
-                                size=2)
+  put = setup_lib.device_putter(s.plan, s.mesh, collisions)
+  fit = setup_lib.packing_fit(config, s.spec)
+  if fit is not None:  # packed histories: even out the events over this process's shards
+    reorder = packing_lib.balanced(fit, shd.batch_groups(s.mesh) // jax.process_count())
+    put = lambda b, put=put: put(reorder(b))  # noqa: E731
+  batches = pipeline.Prefetcher(train_it, put_fn=put, size=2)
   batch = next(batches)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
   train_fn, timing = report.timed_compile(
@@ -143,14 +148,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       state, batch)
   compile_s = timing.lower_s + timing.compile_s
   eval_fn = None
-  flops = setup_lib.train_flops_per_example(config.model, s.spec, s.feature_dims)
+  # Packed histories: MFU from useful FLOPs, the real lengths of the first batch's rows here.
+  lengths = None if fit is None else {
+      name: np.concatenate([np.asarray(sh.data) for sh in
+                            batch["seq"][name]["len"].addressable_shards])
+      for name in fit.streams}
+  flops = setup_lib.train_flops_per_example(config.model, s.spec, s.feature_dims, lengths)
   xla_flops = setup_lib.xla_flops_per_example(train_fn, batch_size)
   peak = report.peak_flops_per_device(jax.devices()[0], config.model.dtype)
   writer.write(step, {"compile_s": compile_s, "lower_s": timing.lower_s,
                       "xla_compile_s": timing.compile_s, "train_flops_per_example": flops,
                       "xla_train_flops_per_example": xla_flops or float("nan"),
-                      "peak_flops_per_device": peak or 0.0})
-  fit = setup_lib.packing_fit(config, s.spec)
+                      "peak_flops_per_device": peak or 0.0,
+                      "flops_count": "padded" if fit is None else "real_tokens_first_batch"})
   if fit is not None:  # packed histories: batches that do not fit step padded
     padded_cfg = dataclasses.replace(s.step_cfg, graphdef=s.eval_cfg.graphdef)
     train_fn = packing_lib.PackedOrPadded(

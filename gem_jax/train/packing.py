@@ -10,6 +10,10 @@ same parameters, compiled on first use), so every step is exact:
   train_fn = PackedOrPadded(packed_fn, make_padded_fn, Fit.from_config(...))
   state, metrics = train_fn(state, batch)          # train_fn.fallbacks counts padded steps
 
+Training batches are first reordered across this process's batch shards so that each
+gets nearly the same number of events (`balanced`), which keeps the rows a shard needs
+close to the mean.
+
 An exact fallback inside one program (lax.cond) would keep the padded branch's buffers:
 the compiled step's memory becomes the padded one's (measured in docs/PERFORMANCE.md),
 which is what packing is for. Evaluation, prediction and export run the padded model
@@ -27,7 +31,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from gem_jax.data.packing import pack_plan
+from gem_jax.data.packing import balance, pack_plan
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,21 @@ class Fit:
       from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
       ok = bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
     return ok
+
+
+def balanced(fit: Fit, shards: int) -> Callable[[dict], dict]:
+  """host batch -> the same rows reordered so that each of this process's `shards` batch
+  shards gets as many histories and nearly as many events (`data.packing.balance`: event
+  counts differ by at most the longest history; summed over the streams). The loss is a
+  mean over rows, so the order changes no gradient; fewer batches fall back."""
+
+  def reorder(batch: dict) -> dict:
+    lengths = sum(np.asarray(batch["seq"][name]["len"], np.int64) for name in fit.streams)
+    n = lengths.shape[0]
+    perm = balance(lengths, shards)
+    return jax.tree.map(lambda x: x[perm] if getattr(x, "shape", ())[:1] == (n,) else x,
+                        batch)
+  return reorder
 
 
 class PackedOrPadded:

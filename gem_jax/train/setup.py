@@ -361,10 +361,15 @@ def model_factory(model_cfg, spec: DataSpec, feature_dims: dict) -> Callable[[nn
   return lambda rngs: cls(cfg, spec, feature_dims, rngs=rngs)
 
 
-def train_flops_per_example(model_cfg, spec: DataSpec, feature_dims: dict) -> float:
+def train_flops_per_example(model_cfg, spec: DataSpec, feature_dims: dict,
+                            lengths: dict | None = None) -> float:
   """Analytic training FLOPs per example: 3 x the model entry's forward count
-  (sequences at their padded lengths; embedding gathers count 0)."""
-  fwd = model_entry(model_cfg.name).flops(model_config(model_cfg), spec, feature_dims)
+  (embedding gathers count 0). Sequences at their padded lengths, or for GEM with
+  lengths={stream: (N,) real lengths} at those (useful FLOPs, `flops.gem_flops`)."""
+  if lengths is not None and model_cfg.name == "gem":
+    fwd = flops_lib.gem_flops(model_config(model_cfg), spec, feature_dims, lengths)["total"]
+  else:
+    fwd = model_entry(model_cfg.name).flops(model_config(model_cfg), spec, feature_dims)
   return float(flops_lib.train_flops(fwd))
 
 
