@@ -7,7 +7,7 @@ only what differs. A field missing here does not exist: with the locked configs
 of the entry scripts, `--config.train.stepz=1` is an error, and
 tests/test_configs.py fails when a run config adds a field of its own. The one
 open block is `model.overrides`: fields of the model's config (gem_jax.models),
-checked when the model is built.
+checked when the model is built (`--config.model.overrides.FIELD=VALUE` sets any of them).
 
 How long a run trains (gem_jax.train.setup.resolve_steps, one rule):
 `train.steps > 0` is the number of steps, whatever `train.epochs` says; with

@@ -310,3 +310,24 @@ def test_bench_overrides_are_checked_against_the_schema():
   assert c.train.stop_at == 2 and c.data.batch_size == 128
   with pytest.raises(ValueError, match=r"config tiny: unknown field 'train\.stepz'"):
     runner.load_config("tiny", {"train.stepz": 1})
+
+
+def test_model_overrides_on_the_command_line():
+  """`--config.model.overrides.FIELD=VALUE` reaches the model config: literals parsed,
+  an unknown model field is the one-line config error naming it."""
+  from gem_jax.train.loop import split_model_overrides  # pylint: disable=import-outside-toplevel
+  rest, over = split_model_overrides(
+      ["train.py", "--config.model.overrides.d_model=32", "--config.train.steps=2",
+       "--config.model.overrides.attn_mask=causal", "--config.model.overrides.pyramid=(1.0,)"])
+  assert rest == ["train.py", "--config.train.steps=2"]
+  assert over == {"d_model": 32, "attn_mask": "causal", "pyramid": (1.0,)}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
+       os.path.join(ROOT, "configs", "tiny.py"), "--workdir", "/nonexistent/never_created",
+       "--config.model.overrides.d_modle=32"],
+      capture_output=True, text=True, timeout=120, cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode != 0
+  err = proc.stderr.strip().splitlines()[-1]
+  assert err.startswith("config error: config.model"), proc.stderr[-2000:]
+  assert "d_modle" in err and "Traceback" not in proc.stderr

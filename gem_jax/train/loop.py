@@ -25,6 +25,7 @@ evaluation, the benchmarks and knowledge transfer); evaluation passes are
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -288,22 +289,51 @@ def oracle_summary(eval_src, metrics: dict, n: int) -> dict:
 
 # ---------------------------------------------------------------------- CLI --
 
+MODEL_OVERRIDES = "--config.model.overrides."
+
+
+def split_model_overrides(argv) -> tuple[list[str], dict[str, Any]]:
+  """(argv without them, {field: value}) of the `--config.model.overrides.FIELD=VALUE`
+  flags; values are Python literals (`3`, `True`, `(64, 32)`, `'full'`) or plain strings."""
+  rest, overrides = [], {}
+  for a in argv:
+    if a.startswith(MODEL_OVERRIDES) and "=" in a:
+      key, value = a[len(MODEL_OVERRIDES):].split("=", 1)
+      try:
+        overrides[key] = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        overrides[key] = value
+    else:
+      rest.append(a)
+  return rest, overrides
+
+
 def parse_flags_or_exit(argv) -> list[str]:
   """absl flag parsing with a one-line message for unknown config fields.
 
   ml_collections rejects `--config.train.stepz=1` with a traceback; this turns it
   into `config error: unknown field 'train.stepz' ...` and exit status 1.
-  Use as `app.run(main, flags_parser=parse_flags_or_exit)`.
+  `--config.model.overrides.FIELD=VALUE` sets any model-config field (the block is open;
+  the model checks the fields when it is built). Use as
+  `app.run(main, flags_parser=parse_flags_or_exit)`.
   """
   from absl import flags  # pylint: disable=import-outside-toplevel
+  argv, overrides = split_model_overrides(argv)
+  sys.argv[:] = split_model_overrides(sys.argv)[0]  # ml_collections reads sys.argv too
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     bad = [a.split("=")[0][len("--config."):] for a in argv[1:] if a.startswith("--config.")]
     raise SystemExit(f"config error: unknown config field among {bad}: "
                      f"{str(e).strip(chr(39))}".replace("\\n", " ")) from None
   except flags.Error as e:
     raise SystemExit(f"flag error: {e}") from None
+  if overrides:
+    block = flags.FLAGS.config.model.overrides
+    with block.unlocked():
+      for key, value in overrides.items():
+        block[key] = value
+  return rest
 
 
 def run_and_print(fn: Callable[..., dict], *args) -> dict:
