@@ -290,13 +290,18 @@ def test_missing_data_is_a_config_error(compiles, tmp_path):
   assert compiles.n == before
 
 
-def test_unknown_field_on_the_command_line():
-  proc = subprocess.run(
+def _train_cli(*flags):
+  """scripts/train.py on configs/tiny.py with `flags` (a workdir that must never appear)."""
+  return subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
        os.path.join(ROOT, "configs", "tiny.py"), "--workdir", "/nonexistent/never_created",
-       "--config.train.stepz=4"],
+       *flags],
       capture_output=True, text=True, timeout=120, cwd=ROOT,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_unknown_field_on_the_command_line():
+  proc = _train_cli("--config.train.stepz=4")
   assert proc.returncode != 0
   err = proc.stderr.strip().splitlines()[-1]
   assert err.startswith("config error: unknown config field"), proc.stderr[-2000:]
@@ -321,12 +326,7 @@ def test_model_overrides_on_the_command_line():
        "--config.model.overrides.attn_mask=causal", "--config.model.overrides.pyramid=(1.0,)"])
   assert rest == ["train.py", "--config.train.steps=2"]
   assert over == {"d_model": 32, "attn_mask": "causal", "pyramid": (1.0,)}
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
-       os.path.join(ROOT, "configs", "tiny.py"), "--workdir", "/nonexistent/never_created",
-       "--config.model.overrides.d_modle=32"],
-      capture_output=True, text=True, timeout=120, cwd=ROOT,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = _train_cli("--config.model.overrides.d_modle=32")
   assert proc.returncode != 0
   err = proc.stderr.strip().splitlines()[-1]
   assert err.startswith("config error: config.model"), proc.stderr[-2000:]

@@ -76,7 +76,7 @@ def test_packed_gem_equals_padded_gem(overrides):
 
 def test_histories_that_do_not_fit_give_nan_logits():
   """One row per shard cannot hold 8 histories: every logit is NaN, never a wrong value
-  (the trainer's non-finite guard skips and counts such a step)."""
+  (the trainer steps such a batch with the padded model, test below)."""
   spec, cfg, dims, inputs = _setup()
   model = GEM(_packed(cfg, rows=1), spec, dims, rngs=nnx.Rngs(0))
   assert not bool(jnp.all(jnp.stack([pk.fits for pk in model.plans(inputs)])))

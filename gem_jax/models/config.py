@@ -63,8 +63,9 @@ class GEMConfig:
       decreasing into seq_pack_rows rows of seq_pack_tokens tokens (>= num_cls + max_len of
       every stream); the sequence arch then runs on those rows (segment-masked attention),
       so padding costs only the rows' unfilled tails. A batch shard whose histories do not
-      fit gets NaN logits (the trainer skips and counts the step): size the rows with
-      margin. Masks 'full' and 'causal'.
+      fit gets NaN logits; the trainer checks every batch first and steps a misfit with the
+      padded model (gem_jax/train/packing.py): size the rows with margin. Masks 'full' and
+      'causal'.
   Heads:
     head_kind ('towers'|'mmoe'), head_hidden, num_experts, expert_hidden, trunk_hidden.
   DLRM / DCNv2 baselines:

@@ -30,8 +30,9 @@ each behind its c CLS slots, into cfg.seq_pack_rows rows of seq_pack_tokens toke
 each history; S_CLS, the PMA's and the target attention's keys/values and the recent
 tokens are unpacked per user. Same function as the padded path (tests/test_gem_packed.py);
 the pyramid masks the older events instead of cropping them. If a shard's histories do not
-fit, the logits are NaN: the trainer's non-finite guard skips and counts that step (an
-exact padded fallback under lax.cond kept both branches' buffers: 3x the packed memory).
+fit, the logits are NaN; the trainer checks every batch on the host first and steps a
+misfit with the padded model (gem_jax/train/packing.py: an in-program lax.cond fallback
+was sized for its padded branch, 3x the packed memory).
 
 Streams are the parallel branches of the pyramid-parallel stack (GEM.md §3.2): every
 stream keeps its own length schedule and its own sequence weights in every block; the
@@ -307,7 +308,7 @@ class GEM(nnx.Module):
       feats = jnp.concatenate([feats, self.front_pairs(x0).astype(feats.dtype)], axis=1)
     trunk = self.trunk(feats)  # (B, H)
     logits = self.heads(trunk, inputs["domain"])  # (B, n_tasks) fp32
-    if fits is not None:  # never a silently wrong logit: the trainer skips and counts it
+    if fits is not None:  # never a silently wrong logit (the trainer steps misfits padded)
       logits = jnp.where(fits, logits, jnp.nan)
     if return_aux:
       return logits, {"trunk": trunk, "seq_summary": seq_summary.reshape(b, -1), "x": x}

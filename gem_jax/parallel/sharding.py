@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -90,11 +91,7 @@ def batch_groups(mesh: Mesh | None = None) -> int:
   if mesh is None:
     return 1
   axes = RULES["batch"]
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return n
+  return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def _is_variable(x) -> bool:

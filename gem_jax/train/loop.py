@@ -39,8 +39,8 @@ import numpy as np
 from absl import logging
 
 from gem_jax.data import pipeline
-from gem_jax.parallel import sharding as shd
 from gem_jax.parallel import distributed as dist
+from gem_jax.parallel import sharding as shd
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
 from gem_jax.train import metrics as metrics_lib
@@ -151,9 +151,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   eval_fn = None
   # Packed histories: MFU from useful FLOPs, the real lengths of the first batch's rows here.
   lengths = None if fit is None else {
-      name: np.concatenate([np.asarray(sh.data) for sh in
-                            batch["seq"][name]["len"].addressable_shards])
-      for name in fit.streams}
+      name: np.concatenate(fit.shard_lengths(batch, name)) for name in fit.streams}
   flops = setup_lib.train_flops_per_example(config.model, s.spec, s.feature_dims, lengths)
   xla_flops = setup_lib.xla_flops_per_example(train_fn, batch_size)
   peak = report.peak_flops_per_device(jax.devices()[0], config.model.dtype)

@@ -59,11 +59,15 @@ class Fit:
     return all(pack_plan(lengths[i::k] + self.num_cls, self.tokens).rows <= self.rows
                for i in range(k))
 
+  @staticmethod
+  def shard_lengths(batch: dict, name: str) -> list[np.ndarray]:
+    """Stream `name`'s lengths (N,) in each batch shard this process holds."""
+    return [np.asarray(sh.data) for sh in batch["seq"][name]["len"].addressable_shards]
+
   def __call__(self, batch: dict) -> bool:
     """Whether every batch shard of this global device batch fits (all processes agree)."""
-    ok = all(self.shard_fits(np.asarray(sh.data))
-             for name in self.streams
-             for sh in batch["seq"][name]["len"].addressable_shards)
+    ok = all(self.shard_fits(lengths)
+             for name in self.streams for lengths in self.shard_lengths(batch, name))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
       ok = bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
