@@ -1,4 +1,5 @@
-"""Host-process setup that must precede `import jax`: huge pages, simulated CPU devices.
+"""Host memory: setup that must precede `import jax` (huge pages, simulated CPU devices), and
+giving freed heap back to the OS.
 
 Transparent huge pages for host memory (CPU training and benchmarks).
 
@@ -15,6 +16,9 @@ when GLIBC_TUNABLES already names the tunable (any value: `...hugetlb=0` opts ou
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import sys
 
@@ -56,3 +60,34 @@ def simulate_cpu_devices(n: int = 8) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+@functools.cache
+def _libc_malloc_trim():
+  """glibc's malloc_trim, or None (another libc, or not Linux)."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+  except (OSError, AttributeError):
+    return None
+  trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+  return trim
+
+
+def release_free_heap() -> bool:
+  """Returns the free pages of every malloc arena to the OS (glibc `malloc_trim(0)`).
+
+  glibc keeps memory freed inside its heaps (not at their top) mapped, so a process
+  that allocates and frees large host buffers from several threads ratchets up its
+  RSS: the asynchronous checkpoint writer copies the state to host buffers on every
+  save, from a thread pool. Measured (docs/RELIABILITY.md, soak): without it the
+  trainer's RSS grew with every save; one call after each finished save keeps it
+  flat. Cost (measured on a 1 GB heap of 100 KB blocks): 6 ms with nothing to give
+  back, 80 ms giving back 460 MB. False (nothing done) where glibc is absent.
+  """
+  trim = _libc_malloc_trim()
+  if trim is None:
+    return False
+  trim(0)
+  return True

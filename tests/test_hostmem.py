@@ -1,10 +1,13 @@
 """gem_jax.hostmem: the huge-page re-exec sets the tunable once and respects an opt-out;
-the simulated CPU device count is added only when XLA_FLAGS states none."""
+the simulated CPU device count is added only when XLA_FLAGS states none; freed heap goes
+back to the OS."""
 import os
 import subprocess
 import sys
 
 import pytest
+
+from gem_jax import hostmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
@@ -54,3 +57,34 @@ def test_simulated_cpu_devices_keep_a_stated_count(monkeypatch, before, after):
     monkeypatch.setenv("XLA_FLAGS", before)
   hostmem.simulate_cpu_devices(8)
   assert os.environ["XLA_FLAGS"] == after
+
+
+HOLES = """
+import sys
+sys.path.insert(0, {root!r})
+from gem_jax import hostmem
+
+def anon_mb():
+  with open("/proc/self/status") as f:
+    return next(int(l.split()[1]) for l in f if l.startswith("RssAnon")) / 1024
+
+blocks = [bytearray(100_000) for _ in range(4000)]  # 400 MB below malloc's mmap threshold
+for i in range(0, len(blocks), 2):                   # every other one freed: holes, no top
+  blocks[i] = None
+held = anon_mb()
+print(held, hostmem.release_free_heap(), anon_mb())
+"""
+
+
+@pytest.mark.skipif(hostmem._libc_malloc_trim() is None, reason="needs glibc's malloc_trim")
+def test_release_free_heap_returns_freed_holes(tmp_path):
+  """200 MB freed inside the heap stay resident until release_free_heap gives them back."""
+  path = tmp_path / "holes.py"
+  path.write_text(HOLES.format(root=ROOT))
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX")}
+  out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                       timeout=60, check=True).stdout.split()
+  held, released, after = float(out[0]), out[1], float(out[2])
+  assert released == "True"
+  assert held > 350, held                 # the freed halves were still resident
+  assert held - after > 150, (held, after)  # most of the 200 MB of holes went back

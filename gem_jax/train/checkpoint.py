@@ -55,6 +55,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from orbax.checkpoint import checkpoint_managers as ocm
 
+from gem_jax import hostmem
 from gem_jax.train import integrity
 from gem_jax.train import metrics as metrics_lib
 
@@ -281,6 +282,7 @@ class CheckpointManager:
       return
     if step is not None:
       self.failures, self._last_failed = 0, False
+      hostmem.release_free_heap()  # the save's host copies are freed: give the pages back
     self._remove_partials()
 
   def _failed(self, step: int, e: BaseException) -> None:
