@@ -1,12 +1,13 @@
-# One H200: `medium` GEM in bf16 and with fp8, loss checked against CPU, MFU printed.
+# One H200: `medium` GEM in bf16 and with fp8, loss checked against CPU, MFU printed; then the
+# GEM-class preset `gem_xl` in bf16.
 #
 #   bash scripts/gpu_bench.sh                 # on the GPU machine, from the repository root
 #     (no network there: carry the wheels it lacks in .whl/, made here with
 #      pip download --no-deps -d .whl ml_collections tensorboardX)
 #   GEM_JAX_PYTHON=.venv/bin/python bash scripts/gpu_bench.sh --cpu-smoke   # rehearsal on CPU
 #
-# Budget: ~8 min of GPU time (each stage has its own `timeout`; a stage that
-# fails or times out is reported and the next one still runs). Logs and JSON
+# Budget: ~10 min of GPU time (medium ~6, gem_xl ~4; each stage has its own `timeout`; a
+# stage that fails or times out is reported and the next one still runs). Logs and JSON
 # lines go to $OUT (default /tmp/gpu_bench): bench.jsonl, loss_*.json, *.log.
 # Loss check: the benchmarks' 3 warm-up steps (from init, on the source's first
 # batches) against the same 3 steps of a float32 CPU run: every loss within
@@ -37,6 +38,8 @@ STEPS=20
 T_BENCH=200
 T_FP8=170
 T_LOSS=400
+T_XL=240
+XL_SETS=()
 if [ "$SMOKE" = "1" ]; then
   export JAX_PLATFORMS=cpu
   SETS=(--set data.batch_size=64 --set data.eval_batch_size=64
@@ -45,7 +48,13 @@ if [ "$SMOKE" = "1" ]; then
         --set model.overrides.wukong_nl=8 --set model.overrides.wukong_k=8
         --set model.overrides.trunk_hidden="(64,)" --set embedding.dim=32
         --set model.overrides.d_model=32 --set model.overrides.dense_hidden="(64,)")
-  T_BENCH=900; T_FP8=900; T_LOSS=900   # a shared 2-core CPU is slow; no GPU budget here
+  XL_SETS=(--set data.batch_size=16 --set data.eval_batch_size=16 --set data.max_len=128
+           --set model.overrides.wukong_mlp="(64,64)" --set model.overrides.wukong_nf=8
+           --set model.overrides.wukong_nl=8 --set model.overrides.wukong_k=8
+           --set model.overrides.d_model=32 --set model.overrides.seq_pack_tokens=132
+           --set model.overrides.seq_pack_rows=16 --set model.overrides.dense_hidden="(64,)"
+           --set model.overrides.trunk_hidden="(64,)" --set embedding.dim=16)
+  T_BENCH=900; T_FP8=900; T_LOSS=900; T_XL=900   # a shared 2-core CPU is slow; no GPU here
   log "CPU smoke run (shrunken medium)"
 fi
 
@@ -72,6 +81,15 @@ timeout $T_FP8 $PY scripts/benchmark.py --config medium --devices 1 --json --ste
   --out "$OUT/bench.jsonl" > "$OUT/bench_fp8.log" 2>&1 \
   || log "fp8 benchmark failed: $(tail -5 "$OUT/bench_fp8.log")"
 
+# 2b. The GEM-class preset (configs/gem_xl.py: ~23 training GFLOPs per example, packed
+#     2048-event histories), bf16; host input cycled from a pool of 4 device batches (its
+#     long_history batches have no device generator). No CPU reference (too large for the
+#     host in budget): its loss must be finite (a batch that misfits the packed rows is NaN).
+timeout $T_XL $PY scripts/benchmark.py --config gem_xl --devices 1 --json --steps $STEPS \
+  --warmup 3 --input host --pool 4 --no-dense-part ${XL_SETS[@]+"${XL_SETS[@]}"} \
+  --out "$OUT/bench.jsonl" > "$OUT/bench_gem_xl.log" 2>&1 \
+  || log "gem_xl benchmark failed: $(tail -5 "$OUT/bench_gem_xl.log")"
+
 # 3. Loss verdicts (waits for the CPU reference).
 wait $CPU_PID || log "CPU reference failed: $(tail -3 "$OUT/loss_cpu.log")"
 STATUS=0
@@ -89,7 +107,7 @@ import json, sys
 for line in open(sys.argv[1]):
   r = json.loads(line)
   if r.get("framework") == "gem_jax":
-    print(f"{r['device_kind']} medium {r['dtype']}{' fp8' if r['fp8'] else ''}: "
+    print(f"{r['device_kind']} {r['config']} {r['dtype']}{' fp8' if r['fp8'] else ''}: "
           f"{r['examples_per_s']:,.0f} ex/s, step {r['step_ms_median']:.2f} ms "
           + (f"(device input, in the step; generator alone {r['input_ms_median']:.2f} ms) "
              if r.get('input_ms_median') is not None else f"({r.get('input', 'host')} input) ")
@@ -99,7 +117,9 @@ for line in open(sys.argv[1]):
           + (f", {100 * r['mfu_vs_bf16_peak']:.1f} % of the bf16 peak" if 'mfu_vs_bf16_peak' in r else "")
           + (f", dense-only MFU {100 * r['dense_mfu']:.1f} %" if r.get('dense_mfu') else "")
           + f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s'] or float('nan'):.1f} s warm"
-          + (f", device peak {r['device_peak_bytes'] / 2**30:.1f} GiB" if r.get('device_peak_bytes') else ""))
+          + (f", device peak {r['device_peak_bytes'] / 2**30:.1f} GiB" if r.get('device_peak_bytes') else "")
+          + f", {r['train_flops_per_example'] / 1e9:.3g} train GFLOP/example, losses "
+          + " ".join(f"{v:.4f}" for v in r.get('warmup_losses') or []))
   elif r.get("check") == "loss":
     print(f"loss check {r['run']} vs {r['reference']}: max |diff| {r['max_abs_diff']:.4f} "
           f"(atol {r['atol']}) -> {'OK' if r['ok'] else 'FAIL'}")

@@ -11,7 +11,7 @@ default the code used when the field was absent. One deliberate change since: th
 dataset configs (criteo, avazu, adult, alimama, movielens) train one pass by default
 (train.steps=0, train.epochs=1, best checkpoint and early stopping by eval log loss;
 criteo and avazu with batches of 128), their reference values updated with them.
-Configs added since (long_seq, long_seq_gpu) are recorded as added: their fields that
+Configs added since (long_seq, long_seq_gpu, gem_xl) are recorded as added: their fields that
 differ from base's defaults.
 """
 import dataclasses
