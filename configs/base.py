@@ -104,6 +104,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.embedding.optimizer = "rowwise_adagrad"  # table optimizer: rowwise_adagrad | adam | sgd
   c.embedding.lr = ml_collections.config_dict.placeholder(float)  # table learning rate; unset:
                                       # the model's own for rowwise_adagrad (train/setup.py MODELS)
+  c.embedding.initial_accumulator = 0.0  # rowwise_adagrad: every row's starting sum of g^2
+                                      # (TF's Adagrad: 0.1; FBGEMM: 0); > 0 damps rare rows' steps
   c.embedding.warmup_steps = 0        # linear warm-up of the table learning rate
   c.embedding.sharding = "auto"       # auto | table_wise | row_wise | column_wise | replicated
   c.embedding.id_policy = "hash"      # raw ids -> rows: hash | clip | error (ids are rows)

@@ -98,7 +98,8 @@ def test_config_per_table_settings():
   assert by["user"].dtype == jnp.bfloat16 and by["user"].dim == cfg.dim
   assert by["user"].optimizer is None                                    # the plan's
   for bad, msg in [("D*: dim=8", "pattern 'D\\*' matches no table"),
-                   ("C1: width=8", "keys are \\['dim', 'dtype', 'eviction', 'id_policy', 'lr', "
+                   ("C1: width=8", "keys are \\['dim', 'dtype', 'eviction', 'id_policy', "
+                                   "'initial_accumulator', 'lr', "
                                    "'optimizer', 'probe', 'rows', 'ttl_steps'\\]"),
                    ("C1: dtype=float16", "dtype='float16' not in"),
                    ("C1: optimizer=lamb", "optimizer='lamb' not in"),
@@ -118,3 +119,18 @@ def test_trainer_plan_and_model_take_mixed_dims():
   dims = set(s.feature_dims.values())
   assert 24 in dims and c.embedding.dim in dims
   assert all(b.optimizer.kind == "sgd" for b in s.plan.buffers.values())
+
+
+def test_config_initial_accumulator_reaches_the_state():
+  """embedding.initial_accumulator (and per_table's) start the row-wise Adagrad sums."""
+  cfg = _emb_cfg(lr=0.1, initial_accumulator=0.01, per_table="C2: initial_accumulator=0.5")
+  plan = setup_lib.make_plan(SPEC, cfg, make_mesh(1, 1), B)
+  assert plan.optimizer.initial_accumulator == 0.01
+  acc = {t: np.asarray(s["accumulator"]) for t, s in
+         export_state(plan, init_embedding_state(plan, jax.random.key(0))).items()}
+  assert set(np.unique(acc["C1"])) == {np.float32(0.01)}
+  assert set(np.unique(acc["C2"])) == {np.float32(0.5)}
+  for bad in (_emb_cfg(lr=0.1, initial_accumulator=-1e-3),
+              _emb_cfg(lr=0.1, per_table="C1: initial_accumulator=-1")):
+    with pytest.raises(ConfigError, match="initial_accumulator.* must be >= 0"):
+      setup_lib.make_plan(SPEC, bad, make_mesh(1, 1), B)

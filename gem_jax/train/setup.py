@@ -68,9 +68,11 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
     table = shared.get(f.name, f.name)
     if table == f.name:
       o = own.get(f.name, {})
+      acc0 = o.get("initial_accumulator", _initial_accumulator(emb_cfg))
       opt = (emb_lib.SparseOptimizerConfig(kind=o.get("optimizer", emb_cfg.optimizer),
-                                           lr=float(o.get("lr", emb_cfg.lr)))
-             if "optimizer" in o or "lr" in o else None)
+                                           lr=float(o.get("lr", emb_cfg.lr)),
+                                           initial_accumulator=float(acc0))
+             if o.keys() & {"optimizer", "lr", "initial_accumulator"} else None)
       policy = o.get("id_policy", emb_cfg.id_policy)
       rows = int(o.get("rows", f.vocab))
       managed = {}
@@ -94,7 +96,8 @@ def embedding_configs(spec: DataSpec, emb_cfg, shared: dict | None = None) -> tu
 
 
 PER_TABLE_KEYS = {"dim": int, "dtype": str, "optimizer": str, "lr": float, "rows": int,
-                  "id_policy": str, "eviction": str, "ttl_steps": int, "probe": int}
+                  "id_policy": str, "eviction": str, "ttl_steps": int, "probe": int,
+                  "initial_accumulator": float}
 TABLE_DTYPES = ("float32", "bfloat16")
 
 
@@ -105,7 +108,8 @@ def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
   globs over the table (feature) names; later rules win. Example:
   'C1|C2: dim=64, optimizer=adam, lr=0.001; hist_*: dtype=bfloat16'. Keys: dim, dtype
   (float32 | bfloat16: storage; optimizer state stays fp32), optimizer
-  (rowwise_adagrad | sgd | adam), lr, rows (default: the feature's vocab), id_policy
+  (rowwise_adagrad | sgd | adam), lr, initial_accumulator (rowwise_adagrad's starting
+  sum of g^2, >= 0), rows (default: the feature's vocab), id_policy
   (hash | error | clip | managed) and for managed tables eviction (lru | lfu), ttl_steps,
   probe (rows rounded up to whole probe windows), e.g. 'user_id: id_policy=managed,
   rows=65536, eviction=lfu, ttl_steps=1000'. A pattern matching no table, an unknown
@@ -146,6 +150,8 @@ def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
                         "ttl_steps >= 0")
     if values.get("dim", 1) <= 0 or values.get("lr", 1.0) <= 0:
       raise ConfigError(f"embedding.per_table: rule {rule!r}: dim and lr must be positive")
+    if values.get("initial_accumulator", 0.0) < 0:
+      raise ConfigError(f"embedding.per_table: rule {rule!r}: initial_accumulator must be >= 0")
     for pat in (p.strip() for p in pats.split("|")):
       hit = fnmatch.filter(tables, pat)
       if not hit:
@@ -156,8 +162,18 @@ def per_table_settings(emb_cfg, tables: list[str]) -> dict[str, dict]:
   return out
 
 
+def _initial_accumulator(emb_cfg) -> float:
+  """`embedding.initial_accumulator` (0 where the config has none); negative: ConfigError."""
+  acc0 = float(getattr(emb_cfg, "initial_accumulator", 0.0) or 0.0)
+  if acc0 < 0:
+    raise ConfigError(f"config.embedding.initial_accumulator={acc0} must be >= 0")
+  return acc0
+
+
 def sparse_optimizer(emb_cfg) -> emb_lib.SparseOptimizerConfig:
-  return emb_lib.SparseOptimizerConfig(kind=emb_cfg.optimizer, lr=emb_cfg.lr)
+  """The plan's table optimizer: embedding.optimizer, lr and initial_accumulator."""
+  return emb_lib.SparseOptimizerConfig(kind=emb_cfg.optimizer, lr=emb_cfg.lr,
+                                       initial_accumulator=_initial_accumulator(emb_cfg))
 
 
 def table_widths(plan) -> dict[str, int]:
