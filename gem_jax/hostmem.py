@@ -91,3 +91,45 @@ def release_free_heap() -> bool:
     return False
   trim(0)
   return True
+
+
+class _Mallinfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
+@functools.cache
+def _libc_mallinfo2():
+  """glibc (>= 2.33) mallinfo2, or None."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+  except (OSError, AttributeError):
+    return None
+  info.argtypes, info.restype = [], _Mallinfo2
+  return info
+
+
+def host_memory_mb() -> dict[str, float]:
+  """This process's host memory (MB): what the OS holds and what malloc has handed out.
+
+  host_rss_mb: resident set (/proc/self/statm); host_heap_used_mb: bytes malloc has
+  allocated and not yet freed (glibc mallinfo2: uordblks + hblkhd, all arenas);
+  host_heap_free_mb: freed bytes glibc keeps inside its heaps (fordblks). RSS growing
+  with heap_used flat is retention (fragmentation, `release_free_heap` helps); heap_used
+  growing is live allocations. Keys absent where the source is (not Linux, not glibc).
+  """
+  out = {}
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      out["host_rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except (OSError, ValueError, IndexError):
+    pass
+  info = _libc_mallinfo2()
+  if info is not None:
+    m = info()
+    out["host_heap_used_mb"] = (m.uordblks + m.hblkhd) / 2**20
+    out["host_heap_free_mb"] = m.fordblks / 2**20
+  return out

@@ -21,7 +21,9 @@ of its anonymous and file-backed parts and of the huge pages in it; step-time dr
 step time of the last fifth of the post-warm-up rows / median of the first fifth
 - 1 (medians over windows: neighbours on shared cores add noise); the most
 checkpoint directories seen at once (target <= keep + 1, the best); cache growth
-after warm-up and on the second restart (target 0 bytes).
+after warm-up and on the second restart (target 0 bytes). The trainer logs its own
+malloc figures (heap in use, freed but kept): their slopes tell a leak of live objects
+from memory glibc retains.
 
 Device memory: on the CPU backend the device buffers are host memory and are in
 the RSS. Prints one JSON line (the summary, with `pass` and the failed targets).
@@ -180,6 +182,24 @@ def analyse(samples: list[dict], rows: list[tuple[float, int, float]], warmup_s:
   }
 
 
+def heap_summary(workdir: str, row_t: dict, warmup_s: float, window_s: float) -> dict:
+  """Slopes (MB/h, over window medians after the warm-up) of the trainer's own malloc
+  figures from metrics.jsonl (`hostmem.host_memory_mb`): heap_used growing is live
+  allocations (a leak); RSS growing with heap_used flat is memory glibc retains."""
+  out = {}
+  for key in ("host_heap_used_mb", "host_heap_free_mb"):
+    pts = [{"t": row_t[s], key: v} for s, v in chaos.metric_rows(workdir, key)
+           if s in row_t and row_t[s] >= warmup_s]
+    if len(pts) < 2:
+      continue
+    wins = window_medians(pts, key, window_s)
+    name = key.removeprefix("host_").removesuffix("_mb")
+    out[f"{name}_slope_mb_per_h"] = round(slope_per_hour([t for t, _ in wins],
+                                                         [v for _, v in wins]), 2)
+    out[f"{name}_window_medians_mb"] = [round(v, 1) for _, v in wins]
+  return out
+
+
 def verdict(out: dict) -> dict:
   failed = []
   if not out["rss_slope_mb_per_h"] < RSS_SLOPE_MB_PER_H:
@@ -254,6 +274,8 @@ def main(argv=None) -> dict:
          "keep": args.keep,
          **analyse(samples, rows, warmup_s, args.keep,
                    60 * (args.window_min or min(5.0, args.minutes / 6))),
+         **heap_summary(workdir, row_t, warmup_s,
+                        60 * (args.window_min or min(5.0, args.minutes / 6))),
          "evals": sum(1 for _ in _eval_rows(workdir)),
          "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
   if rc != 0:

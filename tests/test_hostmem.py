@@ -88,3 +88,35 @@ def test_release_free_heap_returns_freed_holes(tmp_path):
   assert released == "True"
   assert held > 350, held                 # the freed halves were still resident
   assert held - after > 150, (held, after)  # most of the 200 MB of holes went back
+
+
+HEAP = """
+import json, sys
+sys.path.insert(0, {root!r})
+from gem_jax import hostmem
+start = hostmem.host_memory_mb()
+blocks = [bytearray(100_000) for _ in range(2000)]   # 200 MB in use
+held = hostmem.host_memory_mb()
+for i in range(0, len(blocks), 2):                    # half freed, as holes
+  blocks[i] = None
+freed = hostmem.host_memory_mb()
+print(json.dumps([start, held, freed]))
+"""
+
+
+@pytest.mark.skipif(hostmem._libc_mallinfo2() is None, reason="needs glibc >= 2.33 mallinfo2")
+def test_host_memory_tells_live_heap_from_retained(tmp_path):
+  """host_heap_used_mb follows live allocations; freed holes move to host_heap_free_mb and
+  stay in the RSS (the retention release_free_heap addresses)."""
+  import json  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "heap.py"
+  path.write_text(HEAP.format(root=ROOT))
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX")}
+  start, held, freed = json.loads(subprocess.run(
+      [sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=60,
+      check=True).stdout)
+  assert set(start) == {"host_rss_mb", "host_heap_used_mb", "host_heap_free_mb"}
+  assert 190 < held["host_heap_used_mb"] - start["host_heap_used_mb"] < 215, (start, held)
+  assert 90 < held["host_heap_used_mb"] - freed["host_heap_used_mb"] < 110, (held, freed)
+  assert freed["host_heap_free_mb"] - held["host_heap_free_mb"] > 90, (held, freed)
+  assert held["host_rss_mb"] - freed["host_rss_mb"] < 20, (held, freed)  # not given back

@@ -19,6 +19,7 @@ import os
 import pytest
 from data_fixtures import CriteoGen, synth_data, write_lines  # noqa: F401
 
+from gem_jax import hostmem
 from gem_jax.bench import runner
 from gem_jax.data import files
 from gem_jax.data import registry
@@ -26,6 +27,7 @@ from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import evaluate as eval_lib
 from gem_jax.train import loop
 from gem_jax.train import metrics as metrics_lib
+from gem_jax.train import report
 from gem_jax.train import setup as setup_lib
 from gem_jax.train import validate
 
@@ -156,6 +158,16 @@ def test_early_stop_on_an_overfitting_run(overfit):
   assert set(best) >= {"step", "eval_auc", "eval_logloss", "eval_ne", "worse_than_base_rate"}
   assert out["eval_logloss"] == out["eval_logloss/click"]     # the last eval's keys as before
   json.dumps(out)                                             # the final line
+
+
+def test_train_rows_carry_host_memory(overfit):
+  """Every train row logs the host's RSS and malloc figures (hostmem.host_memory_mb)."""
+  _, _, workdir = overfit
+  rows = [r for r in report.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if "train_loss" in r]
+  assert rows and all(r["host_rss_mb"] > 50 for r in rows)
+  if hostmem._libc_mallinfo2() is not None:  # glibc
+    assert all(r["host_heap_used_mb"] > 10 and r["host_heap_free_mb"] >= 0 for r in rows)
 
 
 def test_best_checkpoint_is_kept_and_restorable(overfit):

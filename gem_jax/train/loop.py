@@ -7,7 +7,7 @@
      (state + data position) or initialise directly into the shardings;
   4. compile the train/eval steps once (compile time reported on its own);
   5. loop: step; every `log_every` read the metrics on the host (examples/s,
-     step time, TFLOP/s per device, MFU) -> JSONL + TensorBoard; every
+     step time, TFLOP/s per device, MFU, host RSS/heap) -> JSONL + TensorBoard; every
      `eval_every` evaluate; every `checkpoint_every` save (async); with
      `early_stop_patience` N, stop (and save) after N evaluations in a row
      without a new best `best_metric`;
@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from gem_jax import hostmem
 from gem_jax.data import pipeline
 from gem_jax.parallel import distributed as dist
 from gem_jax.parallel import sharding as shd
@@ -204,6 +205,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         host.update(report.throughput(n_log * batch_size, time.perf_counter() - t_log,
                                       n_log, flops, jax.device_count(), peak))
         host.update(collisions.metrics() if collisions is not None else {})
+        host.update(hostmem.host_memory_mb())  # host_rss_mb, host_heap_used/free_mb
         if fit is not None:  # steps so far whose batch did not fit the packed rows
           host["pack_fallback_steps"] = float(train_fn.fallbacks)
         writer.write(step, host)
