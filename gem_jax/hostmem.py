@@ -62,17 +62,21 @@ def simulate_cpu_devices(n: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-@functools.cache
-def _libc_malloc_trim():
-  """glibc's malloc_trim, or None (another libc, or not Linux)."""
+def _libc_function(name: str, argtypes: list, restype):
+  """glibc's function `name` with its signature set, or None (another libc, not Linux)."""
   if not sys.platform.startswith("linux"):
     return None
   try:
-    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
   except (OSError, AttributeError):
     return None
-  trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-  return trim
+  fn.argtypes, fn.restype = argtypes, restype
+  return fn
+
+
+@functools.cache
+def _libc_malloc_trim():
+  return _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def release_free_heap() -> bool:
@@ -101,15 +105,7 @@ class _Mallinfo2(ctypes.Structure):
 
 @functools.cache
 def _libc_mallinfo2():
-  """glibc (>= 2.33) mallinfo2, or None."""
-  if not sys.platform.startswith("linux"):
-    return None
-  try:
-    info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-  except (OSError, AttributeError):
-    return None
-  info.argtypes, info.restype = [], _Mallinfo2
-  return info
+  return _libc_function("mallinfo2", [], _Mallinfo2)  # glibc >= 2.33
 
 
 def host_memory_mb() -> dict[str, float]:

@@ -237,6 +237,7 @@ def main(argv=None) -> dict:
   p.add_argument("--samples-out", default="", help="write the raw samples (JSON) here")
   args = p.parse_args(argv)
   warmup_s = 60 * (args.warmup_min or min(5.0, args.minutes / 5))
+  window_s = 60 * (args.window_min or min(5.0, args.minutes / 6))
   root = args.workdir or tempfile.mkdtemp(prefix="gem_jax_soak_")
   workdir, cache = os.path.join(root, "run"), os.path.join(root, "xla_cache")
   shutil.rmtree(workdir, ignore_errors=True)
@@ -272,10 +273,8 @@ def main(argv=None) -> dict:
   out = {"minutes": args.minutes, "warmup_min": round(warmup_s / 60, 2), "rc": rc,
          "checkpoint_every": args.checkpoint_every, "eval_every": args.eval_every,
          "keep": args.keep,
-         **analyse(samples, rows, warmup_s, args.keep,
-                   60 * (args.window_min or min(5.0, args.minutes / 6))),
-         **heap_summary(workdir, row_t, warmup_s,
-                        60 * (args.window_min or min(5.0, args.minutes / 6))),
+         **analyse(samples, rows, warmup_s, args.keep, window_s),
+         **heap_summary(workdir, row_t, warmup_s, window_s),
          "evals": sum(1 for _ in _eval_rows(workdir)),
          "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
   if rc != 0:
