@@ -111,6 +111,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.embedding.id_policy = "hash"      # raw ids -> rows: hash | clip | error (ids are rows)
   c.embedding.memory_budget_gb = 4.0  # per-device table memory the plan may use
   c.embedding.replica_sync = "auto"   # gradients across replicas: rows | dense | auto (fewer bytes)
+  c.embedding.rw_exchange = "auto"    # row-wise ids to owners: auto (ragged on GPU/TPU, a2a on
+                                      # CPU) | ragged | a2a (padded) | broadcast
   c.embedding.per_table = ""          # per-table dim/dtype/optimizer/lr, e.g. 'C1|C2: dim=64,
                                       # optimizer=adam, lr=1e-3; hist_*: dtype=bfloat16'
                                       # (gem_jax.train.setup.per_table_settings)

@@ -13,6 +13,14 @@ Sizes are timed in interleaved rounds. Prints one line per size (JSON with --jso
 
 times the row-wise exchange against the group size S (mesh 1 x S, 512 examples per
 device): per-device work (step time x cores / S) and bytes, by owner and by broadcast.
+'ragged' runs `ragged_all_to_all`'s contract on padded blocks here (XLA:CPU has no
+ragged-all-to-all): its bytes are what a GPU sends, its CPU time is not.
+
+  python scripts/bench_embedding.py --batch 512 --bag 1 --project-group 8 32 128 256
+
+plans (nothing runs) groups of S devices and prints, per device, the ids on the wire and
+the exchange buffers of the padded all_to_all (C per pair) against the ragged exchange
+(M per owner), the cost of growing the group 32x.
 
   python scripts/bench_embedding.py --rows 2000000 --tables 2 --mesh 1 1 \
       --sharding table_wise --freeze 1 --freeze-by drop select
@@ -46,9 +54,17 @@ from gem_jax import hostmem  # noqa: E402  (no jax import: before the re-exec)
 if __name__ == "__main__":
   hostmem.use_huge_pages("--no-hugepages" not in sys.argv)
 
+def _devices_needed(argv) -> int:
+  """8, or the largest --project-group size (planning a group needs its devices)."""
+  if "--project-group" not in argv:
+    return 8
+  sizes = [a for a in argv[argv.index("--project-group") + 1:] if a.isdigit()]
+  return max([8] + [int(a) for a in sizes])
+
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={_devices_needed(sys.argv)}").strip()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -200,9 +216,19 @@ def main(argv=None):
                       "several: side by side at the same table rows (rounded to --probe)")
   p.add_argument("--probe", type=int, default=8, help="managed: rows per probe window")
   p.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
-  p.add_argument("--rw-exchange", nargs="+", default=["a2a"], choices=["a2a", "broadcast"],
-                 help="row-wise lookups by owner (all_to_all) or by broadcast (all_gather)")
+  p.add_argument("--rw-exchange", nargs="+", default=["a2a"],
+                 choices=["a2a", "ragged", "broadcast"],
+                 help="row-wise lookups by owner (padded all_to_all or ragged_all_to_all, "
+                      "the latter emulated on CPU) or by broadcast (all_gather)")
+  p.add_argument("--project-group", type=int, nargs="+", default=None, metavar="S",
+                 help="plan (run nothing) 1 x S groups: per-device wire ids and buffers, "
+                      "padded against ragged (--batch examples per device)")
+  p.add_argument("--distinct", type=float, default=1.0,
+                 help="--project-group: distinct ids / id slots per device (1: the "
+                      "planner's default without id statistics)")
   args = p.parse_args(argv)
+  if args.project_group:
+    return project_group(args)
   if args.group:
     return group_series(args)
   # All sizes are set up first (ascending, so peak RSS is that of sizes so far),
@@ -300,6 +326,43 @@ def group_series(args) -> list[dict]:
             f"{hi['work_ms_per_device'] / lo['work_ms_per_device']:.2f}x, bytes out "
             f"{hi['exchange_bytes_per_device'] / lo['exchange_bytes_per_device']:.2f}x, "
             f"buffers {hi['buffer_bytes_per_device'] / lo['buffer_bytes_per_device']:.2f}x")
+  return results
+
+
+def project_group(args) -> list[dict]:
+  """Row-wise exchange cost per device against S, from the planner alone (no state)."""
+  table = TableConfig("t", args.rows[0], args.dim, sharding="row_wise")
+  feat = FeatureConfig("f", "t", args.bag)
+  results = []
+  for S in args.project_group:
+    row = {"group": S, "per_device_batch": args.batch, "bag": args.bag, "dim": args.dim}
+    for ex in ("a2a", "ragged"):
+      plan = plan_embeddings([table], [feat], make_mesh((1, S)), args.batch * S,
+                             rw_exchange=ex, distinct_share={"f": args.distinct})
+      u = plan.units["row_wise.f"]
+      row[ex] = {"capacity": plan.capacity(u) if ex == "a2a" else plan.recv_capacity(u),
+                 "wire_ids": plan.rw_wire_ids(u), "buffer_slots": plan.rw_slots(u),
+                 "bytes_out": int(plan.forward_bytes()["row_wise.f"]),
+                 "buffer_bytes": int(plan.rw_buffer_bytes()["row_wise.f"])}
+    results.append(row)
+    if args.json:
+      print(json.dumps(row), flush=True)
+  if not args.json:
+    n = args.distinct * args.batch * args.bag
+    print(f"row-wise, {args.batch} examples x bag {args.bag} per device ({n:.0f} distinct "
+          f"ids), dim {args.dim} fp32: per device and step, planned (nothing runs)")
+    print(f"{'S':>4} {'C/pair':>6} {'M/owner':>7} {'wire ids a2a':>12} {'ragged':>7} "
+          f"{'bytes out a2a':>13} {'ragged':>10} {'buffers a2a':>11} {'ragged':>10}")
+    for r in results:
+      a, g = r["a2a"], r["ragged"]
+      print(f"{r['group']:>4} {a['capacity']:>6} {g['capacity']:>7} {a['wire_ids']:>12,d} "
+            f"{g['wire_ids']:>7,.0f} {a['bytes_out']:>13,d} {g['bytes_out']:>10,d} "
+            f"{a['buffer_bytes']:>11,d} {g['buffer_bytes']:>10,d}")
+    lo, hi = results[0], results[-1]
+    for ex in ("a2a", "ragged"):
+      print(f"{ex}: S={hi['group']} / S={lo['group']}: bytes out "
+            f"{hi[ex]['bytes_out'] / lo[ex]['bytes_out']:.2f}x, buffers "
+            f"{hi[ex]['buffer_bytes'] / lo[ex]['buffer_bytes']:.2f}x")
   return results
 
 

@@ -94,17 +94,20 @@ def _ref_lookup(tables, ids, wts):
   return out
 
 
-# (mesh, owners deduplicate before gathering): the test tables are tiny, so the
-# planner's size rule alone would never dedup them; dedup_min_bytes=0 forces it.
-LOOKUP_CASES = [(m, True) for m in MESHES] + [((1, 1), False), ((2, 4), False), ((1, 8), False)]
+# (mesh, owners deduplicate before gathering, row-wise exchange): the test tables are
+# tiny, so the planner's size rule alone would never dedup them; dedup_min_bytes=0
+# forces it. 'ragged' runs ragged_all_to_all's contract on padded blocks (XLA:CPU).
+LOOKUP_CASES = ([(m, True, "a2a") for m in MESHES]
+                + [((1, 1), False, "a2a"), ((2, 4), False, "a2a"), ((1, 8), False, "a2a"),
+                   ((2, 4), True, "ragged"), ((1, 8), False, "ragged")])
 
 
 @pytest.fixture(scope="module", params=LOOKUP_CASES,
-                ids=lambda c: f"{c[0][0]}x{c[0][1]}-{'dedup' if c[1] else 'plain'}")
+                ids=lambda c: f"{c[0][0]}x{c[0][1]}-{'dedup' if c[1] else 'plain'}-{c[2]}")
 def setup(request):
-  mesh_shape, dedup = request.param
+  mesh_shape, dedup, exchange = request.param
   plan = plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, SparseOptimizerConfig(),
-                         dedup_min_bytes=0 if dedup else 1 << 62)
+                         dedup_min_bytes=0 if dedup else 1 << 62, rw_exchange=exchange)
   assert all(u.dedup == dedup for u in plan.units.values())
   state = init_embedding_state(plan, jax.random.key(0))
   return plan, state
@@ -243,31 +246,31 @@ def _assert_replicas_identical(state):
         seen[key] = data
 
 
-# (mesh, optimizer, replica sync): 'rows' all-gathers row gradients, 'dense'
-# reduce-scatters + all-gathers the shard's gradient (see update.py).
-# (mesh, optimizer, replica sync, dedup before gather): 'rows' all-gathers row
-# gradients, 'dense' reduce-scatters + all-gathers the shard's gradient (update.py).
-OPT_CASES = [(m, "rowwise_adagrad", "rows", m in ((1, 1), (2, 4))) for m in MESHES] + [
-    ((1, 4), "rowwise_adagrad", "dense", True), ((2, 4), "rowwise_adagrad", "dense", False),
-    ((4, 2), "rowwise_adagrad", "dense", True),
-    ((2, 4), "sgd", "rows", True), ((2, 4), "sgd", "dense", False),
-    ((4, 2), "adam", "rows", False), ((4, 2), "adam", "dense", True),
-    ((1, 8), "adam", "rows", True),
-    pytest.param((2, 4), "adam", "rows", False, marks=pytest.mark.slow),
-    pytest.param((1, 8), "rowwise_adagrad", "dense", True, marks=pytest.mark.slow),
-    pytest.param((1, 8), "sgd", "rows", False, marks=pytest.mark.slow),
-    pytest.param((1, 1), "sgd", "rows", True, marks=pytest.mark.slow),
-    pytest.param((1, 1), "adam", "rows", False, marks=pytest.mark.slow),
-    pytest.param((1, 4), "adam", "dense", False, marks=pytest.mark.slow),
-    pytest.param((4, 2), "sgd", "dense", True, marks=pytest.mark.slow),
-]
+# (mesh, optimizer, replica sync, dedup before gather, row-wise exchange): 'rows'
+# all-gathers row gradients, 'dense' reduce-scatters + all-gathers the shard's gradient
+# (update.py).
+OPT_CASES = [(m, "rowwise_adagrad", "rows", m in ((1, 1), (2, 4)), "a2a") for m in MESHES] + [
+    ((1, 4), "rowwise_adagrad", "dense", True, "a2a"),
+    ((2, 4), "rowwise_adagrad", "dense", False, "a2a"),
+    ((4, 2), "rowwise_adagrad", "dense", True, "a2a"),
+    ((2, 4), "sgd", "rows", True, "a2a"), ((2, 4), "sgd", "dense", False, "a2a"),
+    ((4, 2), "adam", "rows", False, "a2a"), ((4, 2), "adam", "dense", True, "a2a"),
+    ((1, 8), "adam", "rows", True, "a2a"),
+    # the ragged row-wise exchange (ragged_all_to_all's contract on padded blocks on CPU)
+    ((2, 4), "rowwise_adagrad", "dense", False, "ragged"), ((4, 2), "adam", "rows", True, "ragged"),
+] + [pytest.param(*c, "a2a", marks=pytest.mark.slow) for c in [
+    ((2, 4), "adam", "rows", False), ((1, 8), "rowwise_adagrad", "dense", True),
+    ((1, 8), "sgd", "rows", False), ((1, 1), "sgd", "rows", True), ((1, 1), "adam", "rows", False),
+    ((1, 4), "adam", "dense", False), ((4, 2), "sgd", "dense", True)]]
 
 
-@pytest.mark.parametrize("mesh_shape,kind,sync,dedup", OPT_CASES)
-def test_five_steps_match_dense_optimizer(mesh_shape, kind, sync, dedup):
+@pytest.mark.parametrize("mesh_shape,kind,sync,dedup,exchange", OPT_CASES)
+def test_five_steps_match_dense_optimizer(mesh_shape, kind, sync, dedup, exchange):
   opt = SparseOptimizerConfig(kind, lr=0.05 if kind != "adam" else 0.01, eps=1e-6)
   plan = plan_embeddings(TABLES, TRAIN_FEATS, make_mesh(*mesh_shape), B, opt,
-                         replica_sync=sync, dedup_min_bytes=0 if dedup else 1 << 62)
+                         replica_sync=sync, dedup_min_bytes=0 if dedup else 1 << 62,
+                         rw_exchange=exchange)
+  assert plan.rw_exchange == exchange
   R, S = mesh_shape
   assert {b.sync for b in plan.buffers.values()} <= {"none", sync}
   if R * S > 1:

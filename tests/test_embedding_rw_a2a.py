@@ -1,11 +1,13 @@
-"""Row-wise all_to_all exchange at its capacity edge, and its exact broadcast fallback.
+"""Row-wise exchanges by owner at their capacity edge, and the exact broadcast fallback.
 
 A row-wise table read by three features (sum with weights, mean, sequence) with a
-small all_to_all capacity C per (source, owner) pair. Batches are built so that
-every pair stays within C, sits exactly at C with all ids owned by one shard, or
-goes one id over (one pair only, on one device): the lookups and a row-wise
-Adagrad step must equal the unsharded plan's (1 x 1 mesh) within 1e-6 in every
-case, and `ctx['overflow']` says which path ran (the same on every device).
+small capacity: the padded all_to_all ('a2a') has C per (source, owner) pair, the
+ragged exchange ('ragged', run on CPU through its padded equivalent) M per owner
+from its whole group. Batches are built so that every owner stays within capacity,
+sits exactly at it with all ids owned by one shard, or goes one id over (on one
+device): the lookups and a row-wise Adagrad step must equal the unsharded plan's
+(1 x 1 mesh) within 1e-6 in every case, and `ctx['overflow']` says which path ran
+(the same on every device).
 """
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,19 @@ FEATURES = [FeatureConfig("s", "rw", 4, "sum"), FeatureConfig("m", "rw", 3, "mea
 OPT = SparseOptimizerConfig("rowwise_adagrad", lr=0.1)
 
 
-def make_plan(mesh_shape, distinct=0.125):
-  return plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, OPT,
+def make_plan(mesh_shape, distinct=0.125, exchange="a2a"):
+  return plan_embeddings(TABLES, FEATURES, make_mesh(*mesh_shape), B, OPT, rw_exchange=exchange,
                          distinct_share={f.name: distinct for f in FEATURES})
+
+
+def edge_sizes(plan):
+  """Distinct rows of shard 0 that device d of each replica group sends at the capacity
+  edge: C each (a2a), or M spread over the group's S devices (ragged)."""
+  u, S = plan.units["row_wise.q"], plan.num_shards
+  if plan.rw_exchange == "a2a":
+    return [plan.capacity(u)] * S
+  M = plan.recv_capacity(u)
+  return [M // S + (s < M % S) for s in range(S)]
 
 
 def device_rows(plan):
@@ -37,20 +49,20 @@ def device_rows(plan):
 
 def batch(plan, case, seed):
   """Host ids {feature: (B, bag)} for `case`; per device every feature's ids are drawn
-  from one pool of rows: 'within' 2 per owner, 'edge' C rows all on shard 0, 'over'
-  C + 1 rows on shard 0 for device 0 only, 'uniform' anything (C: feature q's)."""
+  from one pool of rows: 'within' 2 per owner, 'edge' `edge_sizes` rows all on shard 0,
+  'over' one more on device 0 only, 'uniform' anything (capacities: feature q's)."""
   rng = np.random.default_rng(seed)
-  rps, C = plan.buffers["rw"].local_rows, plan.capacity(plan.units["row_wise.q"])
-  S = plan.num_shards
+  rps = plan.buffers["rw"].local_rows
+  S, edge = plan.num_shards, edge_sizes(plan)
   ids = {f.name: np.full((B, f.bag), -1, np.int64) for f in FEATURES}
   for dev, rows in enumerate(device_rows(plan)):
     if case == "uniform":
       pool = rng.integers(0, ROWS, 64)
     elif case == "within":
-      pool = np.concatenate([s * rps + rng.choice(min(rps, ROWS - s * rps), min(C, 2),
+      pool = np.concatenate([s * rps + rng.choice(min(rps, ROWS - s * rps), min(edge + [2]),
                                                   replace=False) for s in range(S)])
     else:
-      k = C + 1 if case == "over" and dev == 0 else C
+      k = edge[dev % S] + (case == "over" and dev == 0)
       pool = rng.choice(rps, k, replace=False)
     for f in FEATURES:
       ids[f.name][rows] = rng.choice(pool, (len(rows), f.bag))
@@ -78,12 +90,14 @@ def reference():
   return plan, jax.jit(lambda s, i, w, t: step(plan, s, i, w, t)[:2])
 
 
+@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
 @pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 4), (1, 8)])
-def test_capacity_edge_and_overflow_match_unsharded(mesh_shape, reference):
+def test_capacity_edge_and_overflow_match_unsharded(mesh_shape, exchange, reference):
   ref_plan, ref_fn = reference
-  plan = make_plan(mesh_shape)
-  C = plan.capacity(plan.units["row_wise.q"])
-  assert C < plan.local_batch * 5     # the buffers are narrower than the id slots
+  plan = make_plan(mesh_shape, exchange=exchange)
+  u = plan.units["row_wise.q"]
+  assert plan.capacity(u) < plan.local_batch * 5     # the buffers are narrower than the slots
+  assert plan.recv_capacity(u) < plan.num_shards * plan.capacity(u)
   fn = jax.jit(lambda s, i, w, t: step(plan, s, i, w, t))
   expect = {"within": False, "edge": False, "over": True}
   for seed, case in enumerate(["within", "edge", "over", "uniform"]):

@@ -42,9 +42,11 @@ def model_facts(config) -> ModelFacts:
 def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
           replica_sync: str | None = None):
   mesh = AbstractMesh((replicas, shards), ("replica", "shard"))
+  exchange = config.embedding.get("rw_exchange", "auto")   # 'auto' on the projected GPUs:
   return setup_lib.make_plan(facts.spec, config.embedding, mesh,
                              per_device_batch * replicas * shards, facts.shared,
-                             replica_sync=replica_sync)
+                             replica_sync=replica_sync,
+                             rw_exchange="ragged" if exchange == "auto" else exchange)
 
 
 def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,

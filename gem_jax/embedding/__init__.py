@@ -2,7 +2,7 @@
 
 See docs/embedding.md for an example and the exchange algorithms.
 """
-from gem_jax.embedding import managed
+from gem_jax.embedding import managed, ragged
 from gem_jax.embedding.config import (FeatureConfig, SparseOptimizerConfig, TableConfig,
                                       expected_collision_rate, normal_init, uniform_init)
 from gem_jax.embedding.exchange import gather_rows, lookup, pool_rows, valid_mask
@@ -19,5 +19,5 @@ __all__ = [
     "apply_id_policy", "gather_rows", "pool_rows", "lookup", "valid_mask",
     "apply_sparse_updates", "export_state", "import_state", "id_collisions",
     "table_collisions", "expected_collision_rate", "check_mesh", "id_stats", "IdStats",
-    "managed",
+    "managed", "ragged",
 ]

@@ -40,6 +40,10 @@ e10 = [5, 9], e11 = [0, 5]:
   decision on every device), the step takes the broadcast path instead: ids
   all-gathered over 'shard', every owner gathers the rows it owns (zeros
   elsewhere) and a `psum_scatter` hands each device its rows, the same values.
+  `rw_exchange='ragged'` (the default on GPU/TPU) sends each owner's run as it is
+  with `ragged_all_to_all` instead of C-wide blocks: n ids on the wire and a receive
+  buffer of M ~ n + 4 sqrt(n) slots per owner (worked example in `ragged`); it
+  overflows only when an owner's total from its group exceeds M.
 
 column_wise (`_cw_*`): every shard holds columns [j cps, (j+1) cps) of all
 rows. Ids are all-gathered (each shard needs all of them), each shard gathers
@@ -56,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gem_jax.embedding import managed
+from gem_jax.embedding import managed, ragged
 from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
 
 DEV = P("replica", "shard")   # spec of per-device leaves (rows, ctx): (R, S, ...)
@@ -171,6 +175,16 @@ def _rw_fetch_a2a(w, uniq, rps: int, S: int, C: int):
   return jnp.where(ok[:, None], rows, jnp.zeros((), w.dtype))             # (n, D)
 
 
+def _rw_fetch_ragged(w, uniq, rps: int, S: int, M: int, native: bool):
+  """The same rows by `ragged_all_to_all` both ways (module `ragged`): only real ids and
+  rows travel; each owner receives at most M ids (no overflow anywhere)."""
+  start, count, _, _ = rw_routes(uniq, rps, S, 1)
+  r = ragged.routes(start, count)
+  local = jnp.where(uniq != NO_ROW, uniq - jnp.minimum(uniq // rps, S - 1) * rps, -1)  # (n,)
+  asked = ragged.to_owners(r, local, -1, M, native)                        # (M,) rows asked of me
+  return ragged.to_requesters(r, _masked_take(w, asked), uniq.shape[0], native)  # (n, D)
+
+
 def _rw_fetch_broadcast(w, uniq, rps: int):
   """The same rows by all-gather + owner gather + `psum_scatter` (exact for any skew)."""
   g = jax.lax.all_gather(uniq, "shard", axis=0, tiled=True)               # (S n,)
@@ -186,12 +200,13 @@ def rw_overflow(plan, ids_by_unit):
   names = list(ids_by_unit)
   if not names:
     return {}
-  local = []
-  for name in names:
-    u, uniq = plan.units[name], ids_by_unit[name]
-    _, count, _, _ = rw_routes(uniq, plan.buffers[u.buffer].local_rows, plan.num_shards,
-                               plan.capacity(u))
-    local.append(jnp.any(count > plan.capacity(u)))
+  counts = [rw_routes(ids_by_unit[n], plan.buffers[plan.units[n].buffer].local_rows,
+                      plan.num_shards, 1)[1] for n in names]                # U x (S,)
+  if plan.rw_exchange == "ragged":   # each owner's total from its group, against M
+    totals = jax.lax.psum(jnp.stack(counts), "shard")                      # (U, S)
+    local = [jnp.any(totals[i] > plan.recv_capacity(plan.units[n])) for i, n in enumerate(names)]
+  else:                              # each (source, owner) pair against C
+    local = [jnp.any(c > plan.capacity(plan.units[n])) for c, n in zip(counts, names)]
   over = jax.lax.pmax(jnp.stack(local).astype(jnp.int32), ("replica", "shard")) > 0
   if plan.rw_exchange == "broadcast":
     over = jnp.ones_like(over)
@@ -303,8 +318,13 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
         uniq, inv = rw[name]
         w, rps, S, C = (weights[u.buffer], plan.buffers[u.buffer].local_rows, plan.num_shards,
                         plan.capacity(u))
+        if plan.rw_exchange == "ragged":
+          M, native = plan.recv_capacity(u), ragged.is_native(plan.mesh)
+          by_owner = lambda w, q: _rw_fetch_ragged(w, q, rps, S, M, native)  # noqa: E731
+        else:
+          by_owner = lambda w, q: _rw_fetch_a2a(w, q, rps, S, C)  # noqa: E731
         got = jax.lax.cond(over[name], lambda w, q: _rw_fetch_broadcast(w, q, rps),
-                           lambda w, q: _rw_fetch_a2a(w, q, rps, S, C), w, uniq)
+                           by_owner, w, uniq)
         rows[name] = _dev(got)                                        # (1, 1, n, D)
         uniq = jnp.where(uniq == NO_ROW, -1, uniq)                    # requester: global rows
       else:

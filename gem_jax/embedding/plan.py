@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gem_jax.embedding import layout
+from gem_jax.embedding import layout, ragged
 from gem_jax.embedding.config import (MAX_ROWS, FeatureConfig, SparseOptimizerConfig,
                                       TableConfig, expected_collision_rate)
 
@@ -48,6 +48,7 @@ DEDUP_MIN_BYTES = 1 << 32
 # the step it was last seen, its lookup count; and the occupied slots (a scalar).
 MAP_LEAVES = ("map_hi", "map_lo", "map_last", "map_count", "map_used")
 MAP_BYTES_PER_ROW = 16
+RW_EXCHANGES = ("auto", "a2a", "ragged", "broadcast")   # `plan_embeddings(rw_exchange=)`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,8 @@ class EmbeddingPlan:
   buffers: dict[str, Buffer]
   units: dict[str, Unit]
   buffer_of: dict[str, str]       # table -> buffer name
-  rw_exchange: str = "a2a"        # row_wise lookups: 'a2a' (by owner) | 'broadcast' (always)
+  rw_exchange: str = "a2a"        # row_wise: by owner 'a2a' (padded, C per pair) or 'ragged'
+                                  # (ragged_all_to_all, M per owner); 'broadcast' (always)
   id_stats: dict | None = None    # feature -> stats.IdStats the plan was made with
   _jit_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -223,6 +225,33 @@ class EmbeddingPlan:
     skew = math.ceil(1.1 * u.owner_share * distinct)
     return min(slots, max(layout.rw_capacity(distinct, self.num_shards, slots), skew))
 
+  def recv_capacity(self, u: Unit) -> int:
+    """Row-wise unit `u`, ragged exchange: ids one owner receives from its whole group per
+    step. S sources send ~distinct / S each, so the sum is binomial with mean `distinct`:
+    `layout.rw_capacity` of S x distinct over S owners, or 1.1 x S x the most one owner got
+    per device in the id statistics if that is more, at most S x the slots (no overflow).
+    At most S x `capacity(u)`: the per-pair spreads average out over the S sources."""
+    S, slots = self.num_shards, self.local_batch * u.bag
+    distinct = u.distinct_share * slots
+    skew = math.ceil(1.1 * S * u.owner_share * distinct)
+    return min(S * slots, max(layout.rw_capacity(S * distinct, S, S * slots), skew))
+
+  def rw_slots(self, u: Unit) -> int:
+    """Row-wise unit `u`: id slots of each owner's receive buffers per step (S C padded,
+    M ragged, S x the slots broadcast): the (row, gradient) pairs it updates."""
+    if self.rw_exchange == "a2a":
+      return self.num_shards * self.capacity(u)
+    if self.rw_exchange == "ragged":
+      return self.recv_capacity(u)
+    return self.num_shards * self.local_batch * u.bag
+
+  def rw_wire_ids(self, u: Unit) -> float:
+    """Row-wise unit `u`: ids (and rows, gradients) one device puts on the wire per step
+    (its own block included): the padded S C, or the expected distinct ids when ragged."""
+    if self.rw_exchange == "ragged":
+      return u.distinct_share * self.local_batch * u.bag
+    return self.rw_slots(u)
+
   # ---- sizes -----------------------------------------------------------------------
   def unit_rows_shape(self, u: Unit) -> tuple[int, ...]:
     """Per-device shape of the `rows` leaf of unit `u` (ids, then width)."""
@@ -259,8 +288,7 @@ class EmbeddingPlan:
     for u in self.units.values():
       n = None
       if u.kind == "row_wise":          # (row, gradient) pairs routed to the owners
-        n = self.num_shards * (self.capacity(u) if self.rw_exchange == "a2a"
-                               else self.local_batch * u.bag)
+        n = self.rw_slots(u)
       out[u.buffer] += n if n is not None else int(np.prod(self.unit_rows_shape(u)[:-1]))
     return out
 
@@ -273,9 +301,11 @@ class EmbeddingPlan:
       buf = self.buffers[u.buffer]
       isz = jnp.dtype(buf.dtype).itemsize
       shape = self.unit_rows_shape(u)
-      if u.kind == "row_wise" and self.rw_exchange == "a2a":
-        n_rows = S * self.capacity(u)  # ids out (lookup, update), rows back, grads out: S C each
+      if u.kind == "row_wise" and self.rw_exchange != "broadcast":
+        n_rows = self.rw_wire_ids(u)   # ids out (lookup, update), rows back, grads out
         fwd = (S - 1) / S * (2 * 4 * n_rows + 2 * n_rows * shape[-1] * isz)
+        if self.rw_exchange == "ragged":   # the routes: 3 S int32 per direction, twice
+          fwd += (S - 1) / S * 2 * 3 * S * 4
       elif u.kind == "row_wise":       # all-gathers of ids (twice) and fp32 grads, psum_scatter
         n = shape[0]                   # of the (S n, D) rows
         fwd = (S - 1) * n * (2 * 4 + 4 * shape[-1]) + (S - 1) / S * S * n * shape[-1] * isz
@@ -295,7 +325,7 @@ class EmbeddingPlan:
     for name, u in self.units.items():
       if u.kind == "row_wise":
         S, isz = self.num_shards, jnp.dtype(self.buffers[u.buffer].dtype).itemsize
-        n = S * self.capacity(u) if self.rw_exchange == "a2a" else S * self.local_batch * u.bag
+        n = self.rw_slots(u)
         out[name] = int(n * (2 * 4 + self.buffers[u.buffer].dim * (isz + 4)))
     return out
 
@@ -386,9 +416,11 @@ class EmbeddingPlan:
     for name, u in self.units.items():
       if u.kind == "row_wise":
         slots = self.local_batch * u.bag
-        lines.append(f"  {name}: {self.rw_exchange}, capacity {self.capacity(u)} ids per "
-                     f"(device, owner) of {slots} slots per device (distinct share "
-                     f"{u.distinct_share:.2f})")
+        cap = (f"receive capacity {self.recv_capacity(u)} ids per owner"
+               if self.rw_exchange == "ragged" else
+               f"capacity {self.capacity(u)} ids per (device, owner)")
+        lines.append(f"  {name}: {self.rw_exchange}, {cap} of {slots} slots per device "
+                     f"(distinct share {u.distinct_share:.2f})")
     for f, st in sorted((self.id_stats or {}).items()):
       lines.append(f"  ids {f}: {st.describe()}")
     return lines
@@ -503,7 +535,7 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                     replica_sync: str = "auto",
                     dedup_min_bytes: int = DEDUP_MIN_BYTES,
                     distinct_share: dict[str, float] | None = None,
-                    rw_exchange: str = "a2a", id_stats: dict | None = None) -> EmbeddingPlan:
+                    rw_exchange: str = "auto", id_stats: dict | None = None) -> EmbeddingPlan:
   """Places `tables` on `mesh` ('replica', 'shard') for a global batch of `batch_size`.
 
   `mesh`: any `jax.sharding.Mesh` whose axis_names are ('replica', 'shard'), in that
@@ -524,8 +556,11 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
   see `stats.id_stats`; default 1: every slot distinct) sets each row-wise unit's
   all_to_all capacity (`EmbeddingPlan.capacity`); `id_stats` ({feature: stats.IdStats}
   of a sample of batches) sets it where `distinct_share` does not, and weighs the
-  table-wise placement by the valid lookups. `rw_exchange='broadcast'` sends
-  every row-wise lookup the exact fallback's way (all-gathered ids; to compare).
+  table-wise placement by the valid lookups. `rw_exchange`: 'auto' (default) is
+  'ragged' (`ragged_all_to_all`, only real ids travel) on GPU/TPU meshes and 'a2a'
+  (padded all_to_all, C per pair) on CPU; 'ragged' on CPU runs the same contract on
+  padded blocks (module `ragged`, to test it); 'broadcast' sends every row-wise lookup
+  the exact fallback's way (all-gathered ids; to compare).
 
   Raises:
     ValueError naming the table, its size and the budget when it does not fit;
@@ -662,8 +697,10 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
                        max(f.bag for f in fs), tuple(tuple(s) for s in slots))
   units = {n: dataclasses.replace(u, dedup=_local_weight_bytes(buffers[u.buffer]) >= dedup_min_bytes)
            for n, u in units.items()}
-  if rw_exchange not in ("a2a", "broadcast"):
-    raise ValueError(f"rw_exchange {rw_exchange!r} not in ('a2a', 'broadcast')")
+  if rw_exchange not in RW_EXCHANGES:
+    raise ValueError(f"rw_exchange {rw_exchange!r} not in {RW_EXCHANGES}")
+  if rw_exchange == "auto":   # ragged where the backend has it, padded on XLA:CPU
+    rw_exchange = "ragged" if ragged.is_native(mesh) else "a2a"
   plan = EmbeddingPlan(mesh, tables, features, opt, batch_size, sharding, buffers, units,
                        buffer_of, rw_exchange, dict(id_stats) if id_stats else None)
   return _choose_sync(plan, replica_sync)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from gem_jax.embedding import ragged
 from gem_jax.embedding.exchange import DEV, NO_ROW, rw_routes
 from gem_jax.embedding.optimizers import apply_rows, dedup_rows
 from gem_jax.embedding.plan import EmbeddingPlan
@@ -99,6 +100,18 @@ def _rw_a2a(uniq, g, rps: int, num_shards: int, capacity: int):
   rows = jax.lax.all_to_all(send_r, "shard", 0, 0, tiled=True)
   grads = jax.lax.all_to_all(send_g, "shard", 0, 0, tiled=True)
   return rows.reshape(-1), grads.reshape(-1, g.shape[-1])
+
+
+def _rw_ragged(uniq, g, rps: int, num_shards: int, recv_capacity: int, native: bool):
+  """The same pairs by `ragged_all_to_all` (module `ragged`): each owner receives its runs
+  into (M,) local rows (-1 past them) and (M, D) grads."""
+  uniq = jnp.where(uniq >= 0, uniq, NO_ROW)
+  start, count, _, _ = rw_routes(uniq, rps, num_shards, 1)
+  r = ragged.routes(start, count)
+  local = jnp.where(uniq != NO_ROW, uniq - jnp.minimum(uniq // rps, num_shards - 1) * rps, -1)
+  rows = ragged.to_owners(r, local, -1, recv_capacity, native)             # (M,)
+  grads = ragged.to_owners(r, g, 0.0, recv_capacity, native)               # (M, D)
+  return rows, grads
 
 
 def _rw_broadcast(uniq, g, rps: int):
@@ -179,9 +192,14 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
         continue
       width = buf.local_dim
       if buf.kind == "row_wise":   # requester-side gradients of distinct rows -> owners
+        ragged_ex = plan.rw_exchange == "ragged"
         pairs = [(row_idx[u.name][0, 0], grads[u.name][0, 0].astype(jnp.float32),
-                  plan.capacity(u))
+                  plan.recv_capacity(u) if ragged_ex else plan.capacity(u))
                  for u in units]
+        native = ragged.is_native(plan.mesh)
+        by_owner = ((lambda q, g, rps, c: _rw_ragged(q, g, rps, plan.num_shards, c, native))
+                    if ragged_ex else
+                    (lambda q, g, rps, c: _rw_a2a(q, g, rps, plan.num_shards, c)))
         def routed(route, st, lr, enabled, buf=buf, name=name, units=units, pairs=pairs):
           rows, g = zip(*(route(q, gq, buf.local_rows, c) for q, gq, c in pairs))
           return update(name, buf, units, st, jnp.concatenate(rows), jnp.concatenate(g),
@@ -189,7 +207,7 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
         pred = jnp.any(jnp.stack([over[u.name][0, 0] for u in units]))
         new[name] = jax.lax.cond(
             pred, functools.partial(routed, lambda q, g, rps, c: _rw_broadcast(q, g, rps)),
-            functools.partial(routed, lambda q, g, rps, c: _rw_a2a(q, g, rps, plan.num_shards, c)),
+            functools.partial(routed, by_owner),
             state[name], lr, enabled)
         continue
       rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit

@@ -182,10 +182,12 @@ def table_widths(plan) -> dict[str, int]:
 
 
 def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | None = None, *,
-              replica_sync: str | None = None, id_stats: dict | None = None):
+              replica_sync: str | None = None, id_stats: dict | None = None,
+              rw_exchange: str | None = None):
   """The embedding plan (any mesh, an AbstractMesh too); over the memory budget: ConfigError.
 
-  `replica_sync` None: the config's `embedding.replica_sync` (default 'auto');
+  `replica_sync`, `rw_exchange` None: the config's `embedding.replica_sync`,
+  `embedding.rw_exchange` (default 'auto' each);
   `id_stats`: {feature: emb_lib.IdStats} (`sample_id_stats`) for the planner.
   """
   tables, features = embedding_configs(spec, emb_cfg, shared)
@@ -194,7 +196,8 @@ def make_plan(spec: DataSpec, emb_cfg, mesh, batch_size: int, shared: dict | Non
     return emb_lib.plan_embeddings(
         tables, features, mesh, batch_size=batch_size, optimizer=sparse_optimizer(emb_cfg),
         memory_budget_bytes=int(budget * 2**30) if budget else None,
-        replica_sync=replica_sync or emb_cfg.get("replica_sync", "auto"), id_stats=id_stats)
+        replica_sync=replica_sync or emb_cfg.get("replica_sync", "auto"), id_stats=id_stats,
+        rw_exchange=rw_exchange or emb_cfg.get("rw_exchange", "auto"))
   except ValueError as e:
     raise ConfigError(f"embedding plan: {e}") from None
 
