@@ -1,7 +1,11 @@
-"""Host memory: setup that must precede `import jax` (huge pages, simulated CPU devices), and
-giving freed heap back to the OS.
+"""Host memory: setup that must precede `import jax` (glibc malloc tunables, simulated CPU
+devices), and giving freed heap back to the OS.
 
-Transparent huge pages for host memory (CPU training and benchmarks).
+glibc reads its tunables (GLIBC_TUNABLES) at process start, so `use_malloc_tunables`
+re-executes the script once with them set; a tunable the caller's environment already
+names is left as it is (its value wins: an opt-out or a different choice).
+
+Transparent huge pages for host memory.
 
 Random row reads into a table of hundreds of MB miss the TLB on nearly every access
 with 4 KiB pages. glibc >= 2.35 advises huge pages for its large allocations when
@@ -13,6 +17,9 @@ Measured (docs/PERFORMANCE.md): dlrm_peer step 50 -> 41 ms; the embedding benchm
 
 Call it first thing in a script's `__main__`, before importing jax. It does nothing
 when GLIBC_TUNABLES already names the tunable (any value: `...hugetlb=0` opts out).
+
+Other tunables (e.g. `glibc.malloc.arena_max=2`, tried in the soak runs of
+docs/RELIABILITY.md) are set the same way, or from the environment.
 """
 from __future__ import annotations
 
@@ -23,17 +30,27 @@ import os
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb"
+ARENA_MAX = "glibc.malloc.arena_max"
+
+
+def use_malloc_tunables(tunables: dict[str, int]) -> None:
+  """Re-executes the running script with GLIBC_TUNABLES += the `tunables` it does not name
+  yet (nothing to add: no re-exec; not Linux: nothing)."""
+  current = os.environ.get("GLIBC_TUNABLES", "")
+  named = {t.split("=")[0] for t in current.split(":") if t}
+  new = [f"{k}={v}" for k, v in tunables.items() if k not in named]
+  if not new or not sys.platform.startswith("linux"):
+    return
+  os.environ["GLIBC_TUNABLES"] = ":".join([current] * bool(current) + new)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, [sys.executable] + sys.argv)
 
 
 def use_huge_pages(enabled: bool = True) -> None:
   """Re-executes the running script with GLIBC_TUNABLES += glibc.malloc.hugetlb=1."""
-  current = os.environ.get("GLIBC_TUNABLES", "")
-  if not enabled or TUNABLE in current or not sys.platform.startswith("linux"):
-    return
-  os.environ["GLIBC_TUNABLES"] = ":".join(t for t in (current, TUNABLE + "=1") if t)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os.execv(sys.executable, [sys.executable] + sys.argv)
+  if enabled:
+    use_malloc_tunables({TUNABLE: 1})
 
 
 def huge_pages_requested() -> bool:

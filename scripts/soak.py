@@ -106,11 +106,14 @@ def trainer_cmd(args, workdir: str, cache: str, stop_at: int = 0) -> list[str]:
   return cmd + ([f"--config.train.stop_at={stop_at}"] if stop_at else [])
 
 
-def trainer_env(huge_pages: bool = True) -> dict:
+def trainer_env(glibc_tunables: str = "") -> dict:
+  """The trainer's environment: CPU, 8 devices, GLIBC_TUNABLES as given (empty: the
+  trainer's own, malloc huge pages: `hostmem.use_huge_pages`)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  if not huge_pages:  # the trainer's malloc huge pages off (gem_jax/hostmem.py)
-    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=0"
+  env.pop("GLIBC_TUNABLES", None)
+  if glibc_tunables:   # named tunables win over the trainer's (gem_jax/hostmem.py)
+    env["GLIBC_TUNABLES"] = glibc_tunables
   return env
 
 
@@ -232,8 +235,9 @@ def main(argv=None) -> dict:
                  help="RSS median windows (default: min(5, minutes / 6))")
   p.add_argument("--workdir", default="", help="default: a temporary directory (removed)")
   p.add_argument("--no-restart", action="store_true", help="skip the restarts at the end")
-  p.add_argument("--no-huge-pages", action="store_true",
-                 help="GLIBC_TUNABLES=glibc.malloc.hugetlb=0 for the trainer")
+  p.add_argument("--glibc-tunables", default="",
+                 help="GLIBC_TUNABLES for the trainer instead of its own (hugetlb=1), e.g. "
+                      "'glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2'")
   p.add_argument("--samples-out", default="", help="write the raw samples (JSON) here")
   args = p.parse_args(argv)
   warmup_s = 60 * (args.warmup_min or min(5.0, args.minutes / 5))
@@ -244,7 +248,7 @@ def main(argv=None) -> dict:
   os.makedirs(workdir)
   log = open(os.path.join(root, "trainer.log"), "w", encoding="utf-8")  # noqa: SIM115
   proc = subprocess.Popen(trainer_cmd(args, workdir, cache), stdout=subprocess.DEVNULL,
-                          stderr=log, env=trainer_env(not args.no_huge_pages), cwd=ROOT)
+                          stderr=log, env=trainer_env(args.glibc_tunables), cwd=ROOT)
   t0 = None  # the first logged train row: start-up (imports, compiling) is not the soak
   samples, row_t, seen = [], {}, 0
   try:
@@ -276,7 +280,8 @@ def main(argv=None) -> dict:
          **analyse(samples, rows, warmup_s, args.keep, window_s),
          **heap_summary(workdir, row_t, warmup_s, window_s),
          "evals": sum(1 for _ in _eval_rows(workdir)),
-         "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+         "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+         "glibc_tunables": args.glibc_tunables or "trainer's own"}
   if rc != 0:
     with open(os.path.join(root, "trainer.log"), encoding="utf-8") as f:
       print(f.read()[-3000:], file=sys.stderr)
@@ -310,7 +315,7 @@ def restart(args, workdir: str, cache: str, root: str) -> dict:
     last = max((int(n) for n in os.listdir(ckpts) if n.isdigit()), default=0)
     before, t = dir_bytes(cache), time.monotonic()
     r = subprocess.run(trainer_cmd(args, workdir, cache, last + 2 * args.checkpoint_every),
-                       capture_output=True, text=True, env=trainer_env(not args.no_huge_pages),
+                       capture_output=True, text=True, env=trainer_env(args.glibc_tunables),
                        cwd=ROOT, timeout=900)
     with open(os.path.join(root, f"restart{i}.log"), "w", encoding="utf-8") as f:
       f.write(r.stderr)

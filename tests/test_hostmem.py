@@ -120,3 +120,53 @@ def test_host_memory_tells_live_heap_from_retained(tmp_path):
   assert 90 < held["host_heap_used_mb"] - freed["host_heap_used_mb"] < 110, (held, freed)
   assert freed["host_heap_free_mb"] - held["host_heap_free_mb"] > 90, (held, freed)
   assert held["host_rss_mb"] - freed["host_rss_mb"] < 20, (held, freed)  # not given back
+
+
+ARENAS = """
+import ctypes, os, sys, threading
+sys.path.insert(0, {root!r})
+from gem_jax import hostmem
+hostmem.use_malloc_tunables({{hostmem.ARENA_MAX: 2}})
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+barrier = threading.Barrier(8)   # all 8 threads hold their arena at once
+def work():
+  libc.malloc(1000)
+  barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+fp = libc.fopen({out!r}.encode(), b"w")
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+print("tunables", os.environ.get("GLIBC_TUNABLES", ""))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
+@pytest.mark.parametrize("given, tunables, most", [
+    (None, "glibc.malloc.arena_max=2", 2),                     # the requested cap
+    ("glibc.malloc.arena_max=6", "glibc.malloc.arena_max=6", 6)])  # a stated value wins
+def test_malloc_tunables_cap_the_arenas(tmp_path, given, tunables, most):
+  """8 live threads that each malloc once get their own arenas unless capped (glibc gives a
+  new thread a new arena up to 8 x cores): `malloc_info` lists one <heap> per arena."""
+  out = tmp_path / "info.xml"
+  path = tmp_path / "a.py"
+  path.write_text(ARENAS.format(root=ROOT, out=str(out)))
+  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX")}
+  if given:
+    env["GLIBC_TUNABLES"] = given
+  lines = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split("\n")
+  assert f"tunables {tunables}" in lines
+  heaps = out.read_text().count("<heap nr=")
+  assert 1 <= heaps <= most, heaps
+  if given is None:          # the same threads without the cap: more arenas (the cause)
+    env["GLIBC_TUNABLES"] = "glibc.malloc.arena_max=64"
+    subprocess.run([sys.executable, str(path)], env=env, timeout=60, check=True,
+                   capture_output=True)
+    assert out.read_text().count("<heap nr=") > most
