@@ -77,7 +77,8 @@ import numpy as np  # noqa: E402
 
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,  # noqa: E402
                                apply_sparse_updates, gather_rows, init_embedding_state,
-                               hash_ids, managed, plan_embeddings, pool_rows, prepare_ids)
+                               hash_ids, id_stats, managed, plan_embeddings, pool_rows,
+                               prepare_ids)
 from gem_jax.embedding.plan import DEDUP_MIN_BYTES, MAP_BYTES_PER_ROW, MAP_LEAVES  # noqa: E402
 from gem_jax.parallel.mesh import make_mesh  # noqa: E402
 from gem_jax.transfer.student import frozen_row_ranges, keep_frozen_rows  # noqa: E402
@@ -113,19 +114,22 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
             for i in range(n_tables)]
   feats = [FeatureConfig(f"f{i}", f"t{i}", args.bag) for i in range(n_tables)]
   mesh = make_mesh(tuple(mesh_shape or args.mesh))
-  dedup_min = {"auto": DEDUP_MIN_BYTES, "always": 0, "never": 1 << 62}[args.dedup]
-  plan = plan_embeddings(tables, feats, mesh, batch, SparseOptimizerConfig(lr=0.01),
-                         dedup_min_bytes=dedup_min, rw_exchange=rw_exchange)
-  t0 = time.perf_counter()
-  state = jax.block_until_ready(init_embedding_state(plan, jax.random.key(0)))
-  init_s = time.perf_counter() - t0
   rng = np.random.default_rng(0)
-  batches = []
+  raws = []
   for _ in range(4):
     raw = {f.name: rng.zipf(1.1, (batch, args.bag)).astype(np.int64) for f in feats}
     if id_policy == "managed":   # ids spread over 63 bits, as raw ids are
       raw = {f: hash_ids(x, 1 << 62) for f, x in raw.items()}
-    batches.append(jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()))
+    raws.append(raw)
+  stats = (id_stats(tables, feats, raws, num_devices=mesh.devices.size,
+                    num_shards=mesh.shape["shard"]) if args.id_stats else None)
+  dedup_min = {"auto": DEDUP_MIN_BYTES, "always": 0, "never": 1 << 62}[args.dedup]
+  plan = plan_embeddings(tables, feats, mesh, batch, SparseOptimizerConfig(lr=0.01),
+                         dedup_min_bytes=dedup_min, rw_exchange=rw_exchange, id_stats=stats)
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(init_embedding_state(plan, jax.random.key(0)))
+  init_s = time.perf_counter() - t0
+  batches = [jax.device_put(prepare_ids(plan, raw), plan.ids_shardings()) for raw in raws]
   frozen = frozen_row_ranges(plan, [t.name for t in tables[:args.freeze]])
   step = make_step(plan, frozen, freeze_by)
   t0 = time.perf_counter()
@@ -166,6 +170,11 @@ def summary(run: dict, args) -> dict:
       "table_rows": int(plan.tables["t0"].rows),
       "map_bytes_per_row": MAP_BYTES_PER_ROW if run["id_policy"] == "managed" else 0,
       "map_bytes_measured": _map_bytes(run["state"]),
+      "id_stats": bool(plan.id_stats),
+      "managed_route_slots": (  # ids each owner resolves per table: S C padded, M ragged
+          (plan.managed_capacity("t0")[1] if plan.rw_exchange == "ragged" else
+           plan.num_shards * plan.managed_capacity("t0")[0]) * plan.num_replicas
+          if run["id_policy"] == "managed" else None),
       "frozen_tables": args.freeze, "freeze_by": run["freeze_by"] if args.freeze else None,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),
       "sharding": sorted(set(plan.sharding.values())),
@@ -223,6 +232,9 @@ def main(argv=None):
   p.add_argument("--project-group", type=int, nargs="+", default=None, metavar="S",
                  help="plan (run nothing) 1 x S groups: per-device wire ids and buffers, "
                       "padded against ragged (--batch examples per device)")
+  p.add_argument("--id-stats", action="store_true",
+                 help="plan with the id statistics of the timed batches (row-wise capacities "
+                      "from their distinct ids, as the trainer's embedding.id_stats_batches)")
   p.add_argument("--distinct", type=float, default=1.0,
                  help="--project-group: distinct ids / id slots per device (1: the "
                       "planner's default without id statistics)")
@@ -266,7 +278,8 @@ def main(argv=None):
 
 def policy_series(args) -> list[dict]:
   """Each size under each id policy, timed in interleaved rounds: managed / hash per size."""
-  runs = [setup(rows, args, id_policy=pol) for rows in args.rows for pol in args.id_policy]
+  runs = [setup(rows, args, id_policy=pol, rw_exchange=args.rw_exchange[0])
+          for rows in args.rows for pol in args.id_policy]
   for i in range(args.steps):
     for run in runs:
       timed_step(run, i)

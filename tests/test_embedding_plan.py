@@ -271,3 +271,24 @@ def test_with_batch_size_keeps_the_placement_and_reads_the_train_state(monkeypat
   # The moved placement reads the train state wrongly: the check above can fail.
   wrong = run(moved)
   assert not all(np.allclose(wrong[f], want[f]) for f in want)
+
+
+def test_managed_route_capacity_from_the_tables_features():
+  """A managed table's route (managed.py) is sized for all its features' ids together: every
+  id slot without statistics (as before), their expected distinct ids with them; the ragged
+  receive buffer M stays below the padded S C."""
+  t = TableConfig("u", rows=4096, dim=4, id_policy="managed", probe=8)
+  feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("h", "u", bag=6, pooling="none")]
+  mesh = make_mesh(1, 8)
+  plan = plan_embeddings([t], feats, mesh, batch_size=512)
+  n = 64 * (2 + 6)                                         # id slots per device and step
+  assert plan.managed_capacity("u") == (layout.rw_capacity(n, 8, n),
+                                        layout.rw_capacity(8 * n, 8, 8 * n))
+  half = plan_embeddings([t], feats, mesh, batch_size=512, distinct_share={"u": 0.5, "h": 0.5})
+  C, M = half.managed_capacity("u")
+  assert (C, M) == (layout.rw_capacity(n / 2, 8, n), layout.rw_capacity(8 * n / 2, 8, 8 * n))
+  assert M < 8 * C
+  one = plan_embeddings([TableConfig("u", rows=4096, dim=4, id_policy="managed")],
+                        feats[:1], mesh, batch_size=512)
+  assert one.managed_capacity("u") == (one.capacity(one.units["row_wise.u"]),
+                                       one.recv_capacity(one.units["row_wise.u"]))

@@ -19,12 +19,15 @@ from managed_reference import RefMap
 ROWS, K, B = 64, 4, 16
 
 
-def _plan(mesh, eviction, ttl, exchange="a2a"):
+def _plan(mesh, eviction, ttl, exchange="a2a", distinct=1.0):
+  """`distinct` < 1: routes sized for that share of distinct ids (as from id statistics),
+  so busy steps overflow them and take the broadcast path."""
   t = TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K, eviction=eviction,
                   ttl_steps=ttl)
   feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("u_hist", "u", bag=3, pooling="none")]
   return plan_embeddings([t], feats, mesh, batch_size=B, rw_exchange=exchange,
-                         optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1))
+                         optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1),
+                         distinct_share={"u": distinct, "u_hist": distinct})
 
 
 def _step_fn(plan):
@@ -68,22 +71,28 @@ def _check(plan, state, host, rows, counters, ref, step):
   return want, want_c
 
 
-@pytest.mark.parametrize("first,second,eviction,ttl,exchange", [
-    pytest.param((1, 8), (2, 4), "lru", 0, "a2a", marks=pytest.mark.slow),
-    ((2, 4), (4, 2), "lfu", 3, "a2a"),
-    pytest.param((4, 2), (1, 8), "lru", 3, "broadcast", marks=pytest.mark.slow)])
-def test_stream_matches_reference_across_restore(first, second, eviction, ttl, exchange):
-  """Ids routed to their owners (a2a) or by broadcast (the overflow path, forced)."""
+@pytest.mark.parametrize("first,second,eviction,ttl,exchange,distinct", [
+    pytest.param((1, 8), (2, 4), "lru", 0, "a2a", 1.0, marks=pytest.mark.slow),
+    ((2, 4), (4, 2), "lfu", 3, "a2a", 1.0),
+    ((2, 4), (1, 8), "lru", 3, "ragged", 1.0),
+    pytest.param((1, 8), (4, 2), "lfu", 0, "ragged", 0.3, marks=pytest.mark.slow),
+    pytest.param((4, 2), (1, 8), "lru", 3, "a2a", 0.2, marks=pytest.mark.slow),
+    pytest.param((4, 2), (1, 8), "lru", 3, "broadcast", 1.0, marks=pytest.mark.slow)])
+def test_stream_matches_reference_across_restore(first, second, eviction, ttl, exchange,
+                                                 distinct):
+  """Ids routed to their owners (padded a2a, or ragged as on GPU, emulated on CPU), through
+  routes sized for fewer distinct ids (0.2-0.3), so that about half or most of the steps
+  overflow them, or by broadcast (the overflow path, forced)."""
   ref = RefMap(ROWS, K, eviction, ttl)
   stream = _stream(hash((first, eviction)) % 1000, 8)
   totals = dict.fromkeys(managed.COUNTERS, 0)
-  plan = _plan(make_mesh(*first), eviction, ttl, exchange)
+  plan = _plan(make_mesh(*first), eviction, ttl, exchange, distinct)
   state = init_embedding_state(plan, jax.random.key(0))
   step_fn = _step_fn(plan)
   for step, host in enumerate(stream):
     if step == 4:                                        # checkpoint -> another mesh
       canon = jax.tree.map(np.asarray, export_state(plan, state))
-      plan = _plan(make_mesh(*second), eviction, ttl, exchange)
+      plan = _plan(make_mesh(*second), eviction, ttl, exchange, distinct)
       state, step_fn = import_state(plan, canon), _step_fn(plan)
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     state, rows, counters = step_fn(state, ids, step)
@@ -165,3 +174,19 @@ def test_an_expired_id_takes_its_own_row_back():
   _, got, _ = jax.jit(lambda st, i: managed.resolve(plan, st, i, 0, update=False))(
       state, prepare_ids(plan, batch))
   np.testing.assert_array_equal(np.asarray(got["u"]), np.asarray(rows[3]["u"]))
+
+
+def test_native_ragged_route_lowers_with_ragged_all_to_all(monkeypatch):
+  """What a GPU/TPU mesh runs for the map route: the owner runs of distinct ids out into
+  (M, 3) receive buffers and their rows back, 2 `ragged_all_to_all` (XLA:CPU emulates them)."""
+  from gem_jax.embedding import ragged
+  monkeypatch.setattr(ragged, "is_native", lambda mesh: True)
+  plan = _plan(make_mesh(2, 4), "lru", 0, "ragged")
+  _, M = plan.managed_capacity("u")
+  state = init_embedding_state(plan, jax.random.key(0))
+  ids = jax.device_put(prepare_ids(plan, _stream(0, 1)[0]), plan.ids_shardings())
+  fn = jax.jit(lambda st, i: managed.resolve(plan, st, i, 0, jax.random.key(7)))
+  calls = [line for line in fn.lower(state, ids).as_text().splitlines()
+           if "@ragged_all_to_all(" in line]
+  assert len(calls) == 2, calls
+  assert any(f"tensor<{M}x3xi32>" in c for c in calls), calls

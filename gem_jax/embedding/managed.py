@@ -29,8 +29,12 @@ onto any mesh as it is. Per step, on the global batch's distinct ids, window by 
 
 Routing (the row-wise lookup's owners, `_route_a2a`). Each device deduplicates its ids
 grouped by owner (`_distinct`, below), so each owner's run is sent by one `all_to_all`
-of (S, C, 3) = (hi, lo, occurrences), C per (device, owner) as the row-wise capacity
-(`layout.rw_capacity`). Each owner all-gathers what its replicas received over
+of (S, C, 3) = (hi, lo, occurrences), C per (device, owner) from the plan
+(`EmbeddingPlan.managed_capacity`: the table's expected distinct ids, from the id
+statistics when the plan has them, else every id slot). With `rw_exchange='ragged'`
+(`_route_ragged`; the default on GPU/TPU) the runs travel by `ragged_all_to_all` into M
+slots per owner instead (M ~ distinct + 4 sqrt(distinct) of its group, flat in S, where
+S C grows with S), and the owner resolves M slots. Each owner all-gathers what its replicas received over
 'replica', so every copy of a map sees every id of its windows in the global batch, in
 the same order, and applies the same update without exchanging it. It resolves its
 windows (above) and the rows go back by the reverse `all_to_all`.
@@ -41,7 +45,8 @@ windows (above) and the rows go back by the reverse `all_to_all`.
   finds 9 in row 3 (a hit, count += 2) and inserts 7 into the free row 2; shard 1
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
-When some pair has more than C distinct ids anywhere (one `pmax`), the step takes the
+When some pair has more than C distinct ids anywhere (ragged: some owner more than M;
+one `pmax`), the step takes the
 broadcast path instead (`_route_broadcast`, exact for any skew): the global batch's ids
 all-gathered, every owner resolves its windows, one `psum` over 'shard' gives every
 device the row of every id. Both paths give the same rows and maps (tested). One `pmax`
@@ -78,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gem_jax.embedding import layout
+from gem_jax.embedding import ragged
 from gem_jax.embedding.config import TableConfig
 from gem_jax.embedding.plan import BATCH, MAP_LEAVES, EmbeddingPlan
 
@@ -490,12 +495,40 @@ def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges, pad: boo
   return d_row[inv], counts, dec
 
 
+def _route_ragged(plan, t, st, x, step, key, update, M: int, local, edges, native: bool):
+  """`_route_a2a` by `ragged_all_to_all` (module `ragged`): each device's owner runs of
+  distinct ids travel as they are into a receive buffer of M slots per owner
+  (`EmbeddingPlan.managed_capacity`), so the owner resolves M slots, not S x C (M ~ the
+  group's distinct ids of its windows + 4 sqrt of them: flat in S); rows go back along
+  the same routes."""
+  R, n = plan.num_replicas, x.shape[0]
+  inv, d_hi, d_lo, occ, owner = local
+  r = ragged.routes(edges[:-1], jnp.diff(edges))
+  sent = jnp.stack([d_hi, d_lo, occ], -1)                                  # (n, 3) owner runs
+  recv = ragged.to_owners(r, sent, -1, M, native)                          # (M, 3) hi -1: none
+  every = jax.lax.all_gather(recv, "replica", axis=0, tiled=True)          # (R M, 3)
+  row, counts, dec = _owner_resolve(plan, t, st, every[:, :2], step, key, update, every[:, 2])
+  mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
+  back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
+  d_row = jnp.where(owner < plan.num_shards, back, -1)
+  N, rps = R * plan.num_shards * n, plan.buffers[plan.buffer_of[t.name]].local_rows
+  fill = (rps, 0, 0, 0, rps, 0)   # to the broadcast path's shapes (one lax.cond)
+  dec = tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
+              for d, v in zip(dec, fill))
+  return d_row[inv], counts, dec
+
+
 def _by_owner(plan: EmbeddingPlan) -> bool:
   return plan.num_shards > 1 and plan.rw_exchange != "broadcast"
 
 
-def _capacity(plan: EmbeddingPlan, x) -> int:
-  return layout.rw_capacity(x.shape[0], plan.num_shards, x.shape[0])
+def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
+  """Distinct ids per (device, owner) of the padded route (`_route_a2a`), or per owner from
+  its whole group (M) of the ragged one (`_route_ragged`)."""
+  C, M = plan.managed_capacity(t.name)
+  n = x.shape[0]
+  return min(M, plan.num_shards * n) if plan.rw_exchange == "ragged" else min(C, n)
+
 
 
 def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update, routed):
@@ -506,7 +539,7 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   branch everywhere), then by broadcast (`_route_broadcast`): both give the same rows and
   maps.
   """
-  C = _capacity(plan, x)
+  C = _capacity(plan, t, x)
   # The routes only read the map and return what to write (batch-sized): table-sized
   # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
   maps = {k: st[k] for k in MAP_LEAVES if k != "map_used"}
@@ -514,9 +547,14 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
     rows, counts, dec = _route_broadcast(plan, t, maps, x, step, key, update)
   else:
     (local, edges), over = routed
+    if plan.rw_exchange == "ragged":
+      by_owner = lambda m: _route_ragged(plan, t, m, x, step, key, update, C, local,  # noqa: E731
+                                         edges, ragged.is_native(plan.mesh))
+    else:
+      by_owner = lambda m: _route_a2a(plan, t, m, x, step, key, update, C, local,  # noqa: E731
+                                      edges, True)
     rows, counts, dec = jax.lax.cond(
-        over, lambda m: _route_broadcast(plan, t, m, x, step, key, update),
-        lambda m: _route_a2a(plan, t, m, x, step, key, update, C, local, edges, True), maps)
+        over, lambda m: _route_broadcast(plan, t, m, x, step, key, update), by_owner, maps)
   out = dict(st)
   if update:   # the map writes; rows taken by new ids restart: fresh weights, default slots
     upd, hi, lo, cnt, reset, fresh = dec
@@ -562,10 +600,13 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     new, rows, counters = {}, {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     routed = [None] * len(names)
-    if _by_owner(plan):   # one pmax for every table: does any pair exceed its capacity?
+    if _by_owner(plan):   # one pmax for every table: does any route exceed its capacity?
       own = [_owners(plan, plan.tables[t], x) for t, x in zip(names, xs)]
-      over = jax.lax.pmax(jnp.stack([jnp.any(jnp.diff(e) > _capacity(plan, x)) for (_, e), x in
-                                     zip(own, xs)]).astype(jnp.int32), BATCH) > 0
+      runs = jnp.stack([jnp.diff(e) for _, e in own])                      # (T, S) my owner runs
+      if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
+        runs = jax.lax.psum(runs, "shard")
+      caps = jnp.asarray([_capacity(plan, plan.tables[t], x) for t, x in zip(names, xs)])
+      over = jax.lax.pmax(jnp.any(runs > caps[:, None], axis=1).astype(jnp.int32), BATCH) > 0
       routed = [(o, over[i]) for i, o in enumerate(own)]
     got = []
     for i, t in enumerate(names):

@@ -216,25 +216,45 @@ class EmbeddingPlan:
     """The optimizer of `table`: its own, else the plan's."""
     return self.tables[table].optimizer or self.optimizer
 
-  def capacity(self, u: Unit) -> int:
-    """Row-wise unit `u`: ids one device sends one owner per step: `layout.rw_capacity` of
-    its expected distinct ids (`u.distinct_share` of its b x bag id slots), or 1.1 x the
-    most one owner got in the id statistics if that is more (skewed ids), at most the slots."""
+  def _capacities(self, slots: int, distinct: float, owner_share: float) -> tuple[int, int]:
+    """(C, M) for `slots` id slots per device holding ~`distinct` distinct ids, the most
+    one owner got `owner_share` of them (0: unknown). C, ids one device sends one owner:
+    `layout.rw_capacity` of the distinct ids over S owners, or 1.1 x the skew if more, at
+    most the slots. M, ids one owner receives from its whole group (ragged): S sources send
+    ~distinct / S each, so the sum is binomial with mean `distinct`, `layout.rw_capacity` of
+    S x distinct over S owners, or 1.1 x S x the skew, at most S x the slots (no overflow);
+    M <= S C: the per-pair spreads average out over the S sources."""
+    S = self.num_shards
+    C = min(slots, max(layout.rw_capacity(distinct, S, slots),
+                       math.ceil(1.1 * owner_share * distinct)))
+    M = min(S * slots, max(layout.rw_capacity(S * distinct, S, S * slots),
+                           math.ceil(1.1 * S * owner_share * distinct)))
+    return C, M
+
+  def _unit_capacities(self, u: Unit) -> tuple[int, int]:
     slots = self.local_batch * u.bag
-    distinct = u.distinct_share * slots
-    skew = math.ceil(1.1 * u.owner_share * distinct)
-    return min(slots, max(layout.rw_capacity(distinct, self.num_shards, slots), skew))
+    return self._capacities(slots, u.distinct_share * slots, u.owner_share)
+
+  def capacity(self, u: Unit) -> int:
+    """Row-wise unit `u`: ids one device sends one owner per step (padded all_to_all), from
+    its expected distinct ids (`u.distinct_share` of its b x bag id slots) and the id
+    statistics' skew (`_capacities`)."""
+    return self._unit_capacities(u)[0]
 
   def recv_capacity(self, u: Unit) -> int:
     """Row-wise unit `u`, ragged exchange: ids one owner receives from its whole group per
-    step. S sources send ~distinct / S each, so the sum is binomial with mean `distinct`:
-    `layout.rw_capacity` of S x distinct over S owners, or 1.1 x S x the most one owner got
-    per device in the id statistics if that is more, at most S x the slots (no overflow).
-    At most S x `capacity(u)`: the per-pair spreads average out over the S sources."""
-    S, slots = self.num_shards, self.local_batch * u.bag
-    distinct = u.distinct_share * slots
-    skew = math.ceil(1.1 * S * u.owner_share * distinct)
-    return min(S * slots, max(layout.rw_capacity(S * distinct, S, S * slots), skew))
+    step (`_capacities`): flat in S."""
+    return self._unit_capacities(u)[1]
+
+  def managed_capacity(self, table: str) -> tuple[int, int]:
+    """Managed table: (C, M) of its map route (managed.py), for the ids of all its features
+    together, from their units' distinct shares and skew: C per (device, owner) padded, M
+    per owner ragged. Without id statistics every id slot counts as distinct."""
+    us = [u for u in self.units.values()
+          if u.kind == "row_wise" and self.features[u.features[0]].table == table]
+    slots = sum(self.local_batch * u.bag for u in us)
+    distinct = sum(u.distinct_share * self.local_batch * u.bag for u in us)
+    return self._capacities(slots, distinct, max(u.owner_share for u in us))
 
   def rw_slots(self, u: Unit) -> int:
     """Row-wise unit `u`: id slots of each owner's receive buffers per step (S C padded,
