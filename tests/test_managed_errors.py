@@ -82,6 +82,15 @@ def test_checkpoint_map_mismatches_are_refused():
   moved["map_hi"][r] = -1
   with pytest.raises(ValueError, match="1 map entries lie outside their probe window"):
     import_state(plan, {"u": moved})
+  twice = {k: v.copy() for k, v in canon["u"].items()}             # one id keying two rows
+  w = r // 4 * 4
+  r2 = next(i for i in range(w, w + 4) if i != r and twice["map_hi"][i] < 0)
+  for k in ("map_hi", "map_lo"):
+    twice[k][r2] = twice[k][r]
+  twice["map_used"] = np.int32(canon["u"]["map_used"] + 1)
+  raw = int(managed.join_ids(np.array([hi[r], canon["u"]["map_lo"][r]])))
+  with pytest.raises(ValueError, match=f"1 map entries repeat a raw id .*id {raw}"):
+    import_state(plan, {"u": twice})
   short = {"u": dict(canon["u"], map_last=canon["u"]["map_last"][:32])}
   with pytest.raises(ValueError, match="map leaf 'map_last' of shape"):
     import_state(plan, short)

@@ -163,10 +163,14 @@ def empty_map(rows: int) -> dict:
 
 @jax.jit
 def _map_faults(hi, lo, used, rows_iota, probe, windows):
-  """(occupied rows, rows whose id is outside its window) of a canonical map."""
+  """(occupied rows, rows whose id is outside its window, rows whose id another row holds
+  too, one such id's (hi, lo)) of a canonical map."""
   occ = hi >= 0
   misplaced = occ & (window_of(hi, lo, windows) != rows_iota // probe)
-  return jnp.sum(occ), jnp.sum(misplaced), used
+  s_hi, s_lo = jax.lax.sort((hi, lo), num_keys=2)                          # empty (-1) first
+  dup = (s_hi[1:] >= 0) & (s_hi[1:] == s_hi[:-1]) & (s_lo[1:] == s_lo[:-1])
+  first = jnp.argmax(dup)
+  return jnp.sum(occ), jnp.sum(misplaced), used, jnp.sum(dup), s_hi[1:][first], s_lo[1:][first]
 
 
 def check_canonical_map(name: str, t: TableConfig, src) -> dict:
@@ -187,12 +191,16 @@ def check_canonical_map(name: str, t: TableConfig, src) -> dict:
     if tuple(src[k].shape) != want:
       raise ValueError(f"table {name!r}: map leaf {k!r} of shape {tuple(src[k].shape)}, the "
                        f"table expects {want}")
-  occ, misplaced, used = (int(v) for v in _map_faults(
+  occ, misplaced, used, dup, d_hi, d_lo = (int(v) for v in _map_faults(
       jnp.asarray(src["map_hi"]), jnp.asarray(src["map_lo"]), jnp.asarray(src["map_used"]),
       jnp.arange(t.rows, dtype=jnp.int32), t.probe, t.rows // t.probe))
   if misplaced:
     raise ValueError(f"table {name!r}: {misplaced} map entries lie outside their probe window "
                      f"(a map saved with another rows or probe={t.probe} than this table)")
+  if dup:
+    raw = int(join_ids(np.array([d_hi, d_lo], np.int32)))
+    raise ValueError(f"table {name!r}: {dup} map entries repeat a raw id another row holds "
+                     f"(e.g. id {raw}); a raw id keys at most one row")
   if occ != used:
     raise ValueError(f"table {name!r}: map_used = {used} but {occ} rows hold an id "
                      "(map and table disagree)")
