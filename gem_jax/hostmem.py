@@ -69,6 +69,42 @@ def anon_huge_pages_mb(pid: int | str = "self") -> float:
   return 0.0
 
 
+def mapping_rss_kb(pid: int | str = "self") -> dict[str, int]:
+  """Resident kB of each memory mapping of process `pid` (/proc/PID/smaps), keyed
+  'START-END NAME' (NAME: a file path, '[heap]' (brk: malloc's main arena), '[stack]', ...,
+  or 'anon': anonymous mmaps: malloc's other arenas and large blocks, Python's object
+  arenas, thread stacks, XLA's buffers); {} if unreadable."""
+  out, key = {}, None
+  try:
+    with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and ":" not in head[0]:            # a mapping's first line
+          key = f"{head[0]} {head[5].strip() if len(head) > 5 else 'anon'}"
+          out[key] = 0
+        elif head[0] == "Rss:" and key is not None:
+          out[key] = int(head[1])
+  except OSError:
+    return {}
+  return out
+
+
+def rss_growth_by_mapping(before: dict[str, int], after: dict[str, int],
+                          top: int = 5) -> dict[str, float]:
+  """MB of RSS gained between two `mapping_rss_kb` snapshots: per kind ('[heap]', 'anon',
+  'files', other names) and the `top` mappings that grew most (keyed as in the snapshot)."""
+  def kind(k):
+    name = k.split(" ", 1)[1]
+    return "files" if name.startswith("/") else name
+  grow = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+  out: dict[str, float] = {}
+  for k, v in grow.items():
+    out[f"kind {kind(k)}"] = out.get(f"kind {kind(k)}", 0.0) + v / 1024
+  for k in sorted(grow, key=grow.get, reverse=True)[:top]:
+    out[k] = grow[k] / 1024
+  return {k: round(v, 1) for k, v in out.items()}
+
+
 def simulate_cpu_devices(n: int = 8) -> None:
   """XLA_FLAGS += --xla_force_host_platform_device_count=n, unless it already sets a count.
 

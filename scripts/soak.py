@@ -23,7 +23,8 @@ step time of the last fifth of the post-warm-up rows / median of the first fifth
 checkpoint directories seen at once (target <= keep + 1, the best); cache growth
 after warm-up and on the second restart (target 0 bytes). The trainer logs its own
 malloc figures (heap in use, freed but kept): their slopes tell a leak of live objects
-from memory glibc retains.
+from memory glibc retains; the RSS gained per mapping (/proc/PID/smaps) from the end of the
+warm-up to the end tells which memory grows (malloc's main heap, anonymous mappings, files).
 
 Device memory: on the CPU backend the device buffers are host memory and are in
 the RSS. Prints one JSON line (the summary, with `pass` and the failed targets).
@@ -251,6 +252,7 @@ def main(argv=None) -> dict:
                           stderr=log, env=trainer_env(args.glibc_tunables), cwd=ROOT)
   t0 = None  # the first logged train row: start-up (imports, compiling) is not the soak
   samples, row_t, seen = [], {}, 0
+  maps = {}   # per-mapping RSS at the end of the warm-up and at the end (where it grows)
   try:
     while proc.poll() is None and (t0 is None or time.monotonic() - t0 < 60 * args.minutes):
       rss = rss_mb(proc.pid)
@@ -265,6 +267,9 @@ def main(argv=None) -> dict:
         samples.append({"t": round(t, 1), **rss, "huge_mb": round(hostmem.anon_huge_pages_mb(proc.pid), 1),
                         "ckpts": checkpoint_dirs(os.path.join(workdir, "checkpoints")),
                         "cache_bytes": dir_bytes(cache), "step": rows[-1][0]})
+        if t >= warmup_s:
+          maps["end"] = hostmem.mapping_rss_kb(proc.pid)
+          maps.setdefault("warm", maps["end"])
       time.sleep(args.sample_s)
     if proc.poll() is None:
       proc.send_signal(signal.SIGTERM)
@@ -281,7 +286,9 @@ def main(argv=None) -> dict:
          **heap_summary(workdir, row_t, warmup_s, window_s),
          "evals": sum(1 for _ in _eval_rows(workdir)),
          "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-         "glibc_tunables": args.glibc_tunables or "trainer's own"}
+         "glibc_tunables": args.glibc_tunables or "trainer's own",
+         "rss_growth_mb_by_mapping": (hostmem.rss_growth_by_mapping(maps["warm"], maps["end"])
+                                      if maps.get("warm") and maps.get("end") else {})}
   if rc != 0:
     with open(os.path.join(root, "trainer.log"), encoding="utf-8") as f:
       print(f.read()[-3000:], file=sys.stderr)

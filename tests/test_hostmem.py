@@ -170,3 +170,17 @@ def test_malloc_tunables_cap_the_arenas(tmp_path, given, tunables, most):
     subprocess.run([sys.executable, str(path)], env=env, timeout=60, check=True,
                    capture_output=True)
     assert out.read_text().count("<heap nr=") > most
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/PID/smaps")
+def test_rss_growth_by_mapping_finds_the_mapping_that_grew():
+  """64 MB written into a fresh anonymous block (malloc mmaps blocks this large) show up as
+  growth of kind 'anon', and of one mapping among the top ones."""
+  import numpy as np
+  before = hostmem.mapping_rss_kb()
+  block = np.ones(64 << 20, np.uint8)                       # every page written
+  after = hostmem.mapping_rss_kb()
+  grew = hostmem.rss_growth_by_mapping(before, after, top=3)
+  assert 60 < grew["kind anon"] < 80, grew
+  assert max(v for k, v in grew.items() if not k.startswith("kind")) > 60, grew
+  assert block.sum() == 64 << 20
