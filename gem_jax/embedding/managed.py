@@ -34,10 +34,10 @@ of (S, C, 3) = (hi, lo, occurrences), C per (device, owner) from the plan
 statistics when the plan has them, else every id slot). With `rw_exchange='ragged'`
 (`_route_ragged`; the default on GPU/TPU) the runs travel by `ragged_all_to_all` into M
 slots per owner instead (M ~ distinct + 4 sqrt(distinct) of its group, flat in S, where
-S C grows with S), and the owner resolves M slots. Each owner all-gathers what its replicas received over
-'replica', so every copy of a map sees every id of its windows in the global batch, in
-the same order, and applies the same update without exchanging it. It resolves its
-windows (above) and the rows go back by the reverse `all_to_all`.
+S C grows with S), and the owner resolves M slots. Each owner all-gathers what its
+replicas received over 'replica', so every copy of a map sees every id of its windows in
+the global batch, in the same order, and applies the same update without exchanging it.
+It resolves its windows (above) and the rows go back by the reverse exchange.
   Worked example (R = 1, S = 2 shards, rows 8, K = 2: windows 0-1 on shard 0, 2-3 on
   shard 1; b = 2, bag 1): device 0 holds ids [7, 9], device 1 [9, 4]; say w(7) = 1,
   w(9) = 1, w(4) = 3. Device 0 sends [7, 9] to shard 0 and nothing to shard 1; device 1
@@ -496,11 +496,17 @@ def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges, pad: boo
   pos = jnp.arange(n, dtype=jnp.int32) - start[o]                          # (n,) place in run
   d_row = jnp.where(owner < S, back[o, jnp.clip(pos, 0, C - 1)], -1)       # per distinct id
   if pad:   # to the broadcast path's shapes (the two branches of one lax.cond)
-    N, rps = plan.num_replicas * S * n, plan.buffers[plan.buffer_of[t.name]].local_rows
-    fill = (rps, 0, 0, 0, rps, 0)
-    dec = tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
-                for d, v in zip(dec, fill))
+    dec = _pad_writes(plan, t, dec, n)
   return d_row[inv], counts, dec
+
+
+def _pad_writes(plan, t, dec, n: int):
+  """An owner route's writes padded to the broadcast path's R S n slots (nothing written
+  there: row `rps` is dropped), so both can be the branches of one lax.cond."""
+  N, rps = plan.num_replicas * plan.num_shards * n, plan.buffers[plan.buffer_of[t.name]].local_rows
+  fill = (rps, 0, 0, 0, rps, 0)
+  return tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
+               for d, v in zip(dec, fill))
 
 
 def _route_ragged(plan, t, st, x, step, key, update, M: int, local, edges, native: bool):
@@ -519,11 +525,7 @@ def _route_ragged(plan, t, st, x, step, key, update, M: int, local, edges, nativ
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
-  N, rps = R * plan.num_shards * n, plan.buffers[plan.buffer_of[t.name]].local_rows
-  fill = (rps, 0, 0, 0, rps, 0)   # to the broadcast path's shapes (one lax.cond)
-  dec = tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
-              for d, v in zip(dec, fill))
-  return d_row[inv], counts, dec
+  return d_row[inv], counts, _pad_writes(plan, t, dec, n)
 
 
 def _by_owner(plan: EmbeddingPlan) -> bool:
@@ -536,7 +538,6 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
   C, M = plan.managed_capacity(t.name)
   n = x.shape[0]
   return min(M, plan.num_shards * n) if plan.rw_exchange == "ragged" else min(C, n)
-
 
 
 def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update, routed):
