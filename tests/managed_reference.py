@@ -2,8 +2,8 @@
 
 Dicts and lists only (the window hash is the one shared piece): windows of K rows,
 hits, a miss whose own expired entry is still in its window taking that row back, the
-other misses in ascending id order taking free rows by (empty, expired, live by
-eviction priority, row), the rest counted as collisions.
+other misses in ascending (fingerprint, id) order taking free rows by (empty, expired,
+live by eviction priority, row), the rest counted as collisions.
 """
 import numpy as np
 
@@ -13,6 +13,12 @@ from gem_jax.embedding import managed
 def window(x: int, windows: int) -> int:
   hi, lo = managed.split_ids(np.array([x], np.int64), "f", "t")[0]
   return int(managed.window_of(np.array([hi]), np.array([lo]), windows, xp=np)[0])
+
+
+def miss_order(x: int) -> tuple[int, int]:
+  """The order of a window's misses: (the id's 32-bit fingerprint, the id)."""
+  hi, lo = managed.split_ids(np.array([x], np.int64), "f", "t")[0]
+  return int(managed._fingerprint(np.array([hi]), np.array([lo]), xp=np)[0]), x
 
 
 class RefMap:
@@ -38,7 +44,7 @@ class RefMap:
     for w, xs in by_win.items():
       rows = range(w * self.K, (w + 1) * self.K)
       taken, misses = set(), []
-      for x in sorted(xs):
+      for x in sorted(xs, key=miss_order):
         r = next((r for r in rows if self.live(self.slot.get(r), step)
                   and self.slot[r]["id"] == x), None)
         if r is None:

@@ -112,16 +112,14 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
 
 
 
-@pytest.mark.parametrize("force", ["sort", "fingerprint_ties", "long_windows"])
+@pytest.mark.parametrize("force", ["sort", "fingerprint_ties"])
 def test_every_dedup_path_matches_reference(force, monkeypatch):
-  """The exact sort (always, or taken on fingerprint ties or windows of more distinct ids than
-  the neighbour ranking covers) and the single-key path give the reference's rows and maps."""
+  """The exact sort (always, or taken on fingerprint ties) and the single-key path give the
+  reference's rows and maps: both order a window's misses by (fingerprint, id)."""
   if force == "sort":
     monkeypatch.setattr(managed, "_key_bits", lambda leads: 0)
-  elif force == "fingerprint_ties":   # 2-bit fingerprints: ties in most steps
+  else:                               # 2-bit fingerprints: ties in most steps
     monkeypatch.setattr(managed, "_key_bits", lambda leads: 2)
-  else:                               # windows of > 2 distinct ids sort, others rank by 1 neighbour
-    monkeypatch.setattr(managed, "_RUN_BOUND", 2)
   ref = RefMap(ROWS, K, "lru", 3)
   plan = _plan(make_mesh(2, 4), "lru", 3)
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)

@@ -16,7 +16,8 @@ onto any mesh as it is. Per step, on the global batch's distinct ids, window by 
      last = step, count += its occurrences in the batch;
   2. a miss whose own entry is still in the window, expired, takes that row back
      (re-initialised as below, counted as an expired insert): a raw id is never the
-     key of two rows. The other misses of the window, in ascending raw-id order, take
+     key of two rows. The other misses of the window, in ascending (fp(x), x) order
+     (fp: a 32-bit hash of the id independent of the window's, `_fingerprint`), take
      the window's free rows in the order (empty, expired, live by eviction priority,
      row): LRU = oldest `last` first, LFU = lowest `count`, then oldest; rows hit or
      taken back in this step are not free. The i-th miss takes the i-th free row; the
@@ -53,17 +54,16 @@ device the row of every id. Both paths give the same rows and maps (tested). One
 (the overflow test) and one `psum` (the counters) serve all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
-sort of a single int32 key, lead 2^bits + a `bits`-bit fingerprint of the id (bits = what
-the lead count leaves below 2^31: 27 for 8 owners, 16 for 19,532 windows per owner), then
+sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
+lead count leaves below 2^31: 27 for 8 owners, 16 for 19,532 windows per owner), then
 each id's distinct index by binary search of its key (XLA:CPU sorts one int32 operand
-without calling a comparator: 2,600 ids in 0.13 ms with the search, 0.9 ms by the 5-operand
-(lead, hi, lo) sort). Exact:
-when two different ids share a key (checked on every id) or a window holds more than
-`_RUN_BOUND` distinct ids, that device sorts by (lead, hi, lo) instead (one lax.cond, no
-collective inside). Within a window the fingerprint order is not the id order, so a
-miss's rank (step 2) is counted by comparison with the window's other distinct ids, its
-neighbours in the sorted list. Per device and step: two single-key sorts of about
-b x bag ids, K map entries read per id: bounded by the batch, not the table.
+without calling a comparator: 2,600 ids in 0.13 ms with the search, 0.9 ms by the 6-operand
+(lead, fp, hi, lo) sort). Exact: when two different ids share a key (checked on every id),
+that device sorts by (lead, fp, hi, lo) instead (one lax.cond, no collective inside).
+Either way each window's distinct ids come out in the policy's (fp(x), x) order, so a
+miss's rank (step 2) is a running count of the misses before it. Per device and step: two
+single-key sorts of about b x bag ids, K map entries read per id, and writes by the count
+of rows written (`_apply_writes`): bounded by the batch, not the table.
 
 Fresh rows: row r is drawn by the table's initializer from the key (step key, table, r)
 of `ROW_PRNG`, a counter-based hash generator (murmur3's finaliser of key and counter, ~10
@@ -92,7 +92,6 @@ _BIG = np.iinfo(np.int32).max
 _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
 _MIN_FP_BITS = 8     # fewer fingerprint bits in a key: always the exact sort
-_RUN_BOUND = 32      # more distinct ids in one window and step: the exact sort
 
 
 # ---- the window hash, identical in numpy (host, reference) and jnp (device) ----------
@@ -265,20 +264,24 @@ def _fresh_rows(t: TableConfig, key, rows):
   return jax.vmap(lambda r: _fresh(t, jax.random.fold_in(base, r), 1)[0])(rows)
 
 
-def _fingerprint(hi, lo):
-  """uint32 hash of ids (hi, lo), independent of `window_of`'s."""
-  u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
-  return _fmix32(u(hi) ^ _fmix32(u(lo) ^ jnp.uint32(0x7F4A7C15), jnp), jnp)
+def _fingerprint(hi, lo, xp=jnp):
+  """fp: uint32 hash of ids (hi, lo), independent of `window_of`'s; the order of a window's
+  misses is (fp, id)."""
+  if xp is jnp:
+    u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
+  else:
+    u = lambda x: np.asarray(x, np.int32).view(np.uint32)  # noqa: E731
+  return _fmix32(u(hi) ^ _fmix32(u(lo) ^ xp.uint32(0x7F4A7C15), xp), xp)
 
 
 def _distinct_sorted(hi, lo, lead, w):
-  """Exact distinct ids by one sort on (lead, hi, lo) (5 operands). hi, lo, lead (M,):
+  """Exact distinct ids by one sort on (lead, fp, hi, lo) (6 operands). hi, lo, lead (M,):
   the ids and their order key (`_BIG`: padding), w (M,) their occurrences -> (inv (M,)
-  distinct index of each input, d_lead, d_hi, d_lo (M,) per distinct id in (lead, hi, lo)
-  order (padding: `_BIG`, -1, 0; last), occ (M,) the sum of each one's w)."""
+  distinct index of each input, d_lead, d_hi, d_lo (M,) per distinct id in (lead, fp, hi,
+  lo) order (padding: `_BIG`, -1, 0; last), occ (M,) the sum of each one's w)."""
   M = hi.shape[0]
-  lead, hi, lo, src, w = jax.lax.sort((lead, hi, lo, jnp.arange(M, dtype=jnp.int32), w),
-                                      num_keys=3)
+  lead, _, hi, lo, src, w = jax.lax.sort(
+      (lead, _fingerprint(hi, lo), hi, lo, jnp.arange(M, dtype=jnp.int32), w), num_keys=4)
   new = jnp.concatenate([jnp.ones((1,), bool),
                          (lead[1:] != lead[:-1]) | (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
   did = (jnp.cumsum(new) - 1).astype(jnp.int32)                            # (M,) sorted slot's
@@ -292,9 +295,9 @@ def _distinct_sorted(hi, lo, lead, w):
 def _distinct_keyed(hi, lo, lead, w, bits: int):
   """`_distinct_sorted`'s outputs by a single-key sort (the fast path of XLA:CPU's sort: one
   int32 operand, no comparator call): key = lead 2^bits + a `bits`-bit fingerprint of the
-  id, each input's distinct index by binary search of its key in the sorted keys. Within a
-  lead the order is the fingerprint's, not the id's. Also returns `exact`: no two
-  different ids share a key (else the result is wrong and the caller sorts instead)."""
+  id, each input's distinct index by binary search of its key in the sorted keys. Also
+  returns `exact`: no two different ids share a key (else the result is wrong and the
+  caller sorts instead); then the order within a lead is (fp, id), as `_distinct_sorted`'s."""
   M = hi.shape[0]
   valid = lead != _BIG
   fp = (_fingerprint(hi, lo) >> (32 - bits)).astype(jnp.int32)
@@ -317,23 +320,18 @@ def _key_bits(leads: int) -> int:
   return min(bits, 31) if bits >= _MIN_FP_BITS else 0
 
 
-def _distinct(g, lead, leads: int, w=None, run_bound=None):
+def _distinct(g, lead, leads: int, w=None):
   """Distinct ids of g (M, 2) grouped by `lead` (M,) in [0, leads) (`_BIG`: padding or not
-  wanted): single-key (`_distinct_keyed`) when exact, else the 5-operand sort (one
-  lax.cond). `run_bound` (static): also sort when some lead holds more than that many
-  distinct ids. Returns ((inv, d_lead, d_hi, d_lo, occ), by_id: bool, True where each
-  lead's ids are in ascending id order)."""
+  wanted), each lead's in (fp, id) order: single-key (`_distinct_keyed`) when exact, else
+  the 6-operand sort (one lax.cond). Returns (inv, d_lead, d_hi, d_lo, occ)."""
   M = g.shape[0]
   hi, lo = g[:, 0], jnp.where(lead != _BIG, g[:, 1], 0)
   w = jnp.ones((M,), jnp.int32) if w is None else w
   bits = _key_bits(leads)
   if not bits:
-    return _distinct_sorted(hi, lo, lead, w), jnp.ones((), bool)
+    return _distinct_sorted(hi, lo, lead, w)
   fast, exact = _distinct_keyed(hi, lo, lead, w, bits)
-  if run_bound is not None:
-    exact = exact & (_longest_run(fast[1]) <= run_bound)
-  out = jax.lax.cond(exact, lambda: fast, lambda: _distinct_sorted(hi, lo, lead, w))
-  return out, ~exact
+  return jax.lax.cond(exact, lambda: fast, lambda: _distinct_sorted(hi, lo, lead, w))
 
 
 def _segments(d_lead):
@@ -342,38 +340,14 @@ def _segments(d_lead):
           - 1).astype(jnp.int32)
 
 
-def _longest_run(d_lead):
-  """The most distinct ids of one lead (padding excluded)."""
-  M, seg = d_lead.shape[0], _segments(d_lead)
-  iota = jnp.arange(M, dtype=jnp.int32)
-  start = jax.ops.segment_min(iota, seg, M, indices_are_sorted=True)[seg]
-  return jnp.max(jnp.where(d_lead != _BIG, iota - start + 1, 0))
-
-
-def _rank_by_neighbours(miss, d_lead, d_hi, d_lo, bound: int):
-  """Misses of the same window with a smaller id, for windows of at most `bound` distinct
-  ids (contiguous, any order inside): compared with the 2 (bound - 1) neighbours."""
-  M = miss.shape[0]
-  pad = lambda v, f: jnp.concatenate([jnp.full((bound,), f, v.dtype), v,  # noqa: E731
-                                      jnp.full((bound,), f, v.dtype)])
-  m, ld, h, l = pad(miss, False), pad(d_lead, -1), pad(d_hi, 0), pad(d_lo, 0)
-  rank = jnp.zeros((M,), jnp.int32)
-  for d in range(1 - bound, bound):
-    if d:
-      j = slice(bound + d, bound + d + M)                                  # neighbour at i + d
-      rank += (m[j] & (ld[j] == d_lead) & ((h[j] < d_hi) | ((h[j] == d_hi) & (l[j] < d_lo)))
-               ).astype(jnp.int32)
-  return rank
-
-
-def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, update: bool,
+def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, update: bool,
                    w=None):
   """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
   among them; `w` (M,): occurrences of each, default 1), read against its map `st` ->
   (global row per input position (M,), -1 for other owners' ids and ids left without a
   row; local counts (7,): ids, hits, inserts, evictions, expired, collisions, inserts
   into empty rows; the writes (map rows (M,), rps = none, their hi, lo, count; rows to
-  re-initialise (M,) and their fresh values (M, D))). No collective inside."""
+  re-initialise (M,), rps = none: `_apply_writes`)). No collective inside."""
   buf = plan.buffers[plan.buffer_of[t.name]]
   K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
   shard = jax.lax.axis_index("shard")
@@ -381,7 +355,7 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
   valid = g[:, 0] >= 0
   lw = window_of(g[:, 0], jnp.where(valid, g[:, 1], 0), windows) - shard * (rps // K)
   lw = jnp.where(valid & (lw >= 0) & (lw < rps // K), lw, _BIG)          # (M,) local window
-  (inv, d_lw, d_hi, d_lo, occ), by_id = _distinct(g, lw, rps // K, w, _RUN_BOUND)
+  inv, d_lw, d_hi, d_lo, occ = _distinct(g, lw, rps // K, w)
   mine = d_lw != _BIG
   base = jnp.where(mine, d_lw * K, 0)                                      # local first row
   slots = base[:, None] + jnp.arange(K, dtype=jnp.int32)                   # (M, K) local rows
@@ -403,24 +377,15 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
 
   if not update:
     nothing = jnp.full((M,), rps, jnp.int32)
-    dec = (nothing, d_hi, d_lo, occ, nothing, jnp.zeros((M, t.dim), jnp.float32))
+    dec = (nothing, d_hi, d_lo, occ, nothing)
     return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec
   wseg = _segments(d_lw)
   claimed = (match | (own & back[:, None])).astype(jnp.int32)              # (M, K)
   taken = jax.ops.segment_max(claimed, wseg, M, indices_are_sorted=True)[wseg]
   miss = mine & ~hit & ~back
 
-  def rank_in_order():                          # ids ascending within a window: misses before
-    ahead = jnp.cumsum(miss) - miss
-    return ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]
-
-  # Fingerprint order: ranks by comparison with the neighbours, 3 each side when no window
-  # holds more than 4 distinct ids (the common case of large tables), else _RUN_BOUND - 1.
-  short = min(4, _RUN_BOUND)
-  tier = jnp.where(by_id, 0, jnp.where(_longest_run(d_lw) <= short, 1, 2))
-  rank = jax.lax.switch(tier, [
-      rank_in_order, lambda: _rank_by_neighbours(miss, d_lw, d_hi, d_lo, short),
-      lambda: _rank_by_neighbours(miss, d_lw, d_hi, d_lo, _RUN_BOUND)])
+  ahead = jnp.cumsum(miss) - miss            # distinct ids in (window, fp, id) order:
+  rank = ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]  # misses before
   cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
   if t.eviction == "lru":
     p1, p2 = m_last, jnp.zeros_like(m_last)
@@ -445,17 +410,16 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, key, 
   upd = jnp.where(hit | new, local, rps)                                   # rps: dropped
   cnt = jnp.where(hit, jnp.take_along_axis(m_cnt, hit_k[:, None], axis=1)[:, 0], 0) + occ
   reset = jnp.where(new, local, rps)                                       # rows re-initialised
-  fresh = _fresh_rows(t, key, shard * rps + jnp.maximum(local, 0))         # (M, D)
   counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
       mine, hit, new, put & (vic_cls == 2), back | (put & (vic_cls == 1)), miss & ~put,
       put & (vic_cls == 0))])
-  return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset, fresh)
+  return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset)
 
 
-def _route_broadcast(plan, t, st, x, step, key, update):
+def _route_broadcast(plan, t, st, x, step, update):
   """Every device resolves the whole global batch's ids of its windows (any skew)."""
   g = jax.lax.all_gather(x, BATCH, axis=0, tiled=True)                     # (N, 2) global
-  row, counts, dec = _owner_resolve(plan, t, st, g, step, key, update)
+  row, counts, dec = _owner_resolve(plan, t, st, g, step, update)
   row = jax.lax.psum(row + 1, "shard") - 1                                 # (N,) one owner each
   n = x.shape[0]
   return jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), counts, dec
@@ -468,13 +432,13 @@ def _owners(plan, t, x):
   valid = x[:, 0] >= 0
   win = window_of(x[:, 0], jnp.where(valid, x[:, 1], 0), t.rows // t.probe)
   lead = jnp.where(valid, win * t.probe // rps, _BIG)                      # (n,) owner
-  (inv, d_own, d_hi, d_lo, occ), _ = _distinct(x, lead, S)
+  inv, d_own, d_hi, d_lo, occ = _distinct(x, lead, S)
   owner = jnp.where(d_own != _BIG, d_own, S)
   edges = jnp.searchsorted(owner, jnp.arange(S + 1, dtype=jnp.int32)).astype(jnp.int32)
   return (inv, d_hi, d_lo, occ, owner), edges
 
 
-def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges, pad: bool = False):
+def _route_a2a(plan, t, st, x, step, update, C: int, local, edges, pad: bool = False):
   """Each device's distinct ids to the owners of their windows (all_to_all, C per pair),
   gathered over 'replica' (each owner sees its windows' ids of the whole batch), resolved,
   rows sent back along the same routes. `local`, `edges`: `_owners(plan, t, x)`."""
@@ -489,7 +453,7 @@ def _route_a2a(plan, t, st, x, step, key, update, C: int, local, edges, pad: boo
   recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)               # (S, C, 3) asked of me
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=False)         # (R, S, C, 3)
   flat = every.reshape(-1, 3)
-  row, counts, dec = _owner_resolve(plan, t, st, flat[:, :2], step, key, update, flat[:, 2])
+  row, counts, dec = _owner_resolve(plan, t, st, flat[:, :2], step, update, flat[:, 2])
   mine = row.reshape(every.shape[:3])[jax.lax.axis_index("replica")]       # (S, C) my group's
   back = jax.lax.all_to_all(mine, "shard", 0, 0, tiled=True)               # (S, C) my requests
   o = jnp.minimum(owner, S - 1)
@@ -504,12 +468,11 @@ def _pad_writes(plan, t, dec, n: int):
   """An owner route's writes padded to the broadcast path's R S n slots (nothing written
   there: row `rps` is dropped), so both can be the branches of one lax.cond."""
   N, rps = plan.num_replicas * plan.num_shards * n, plan.buffers[plan.buffer_of[t.name]].local_rows
-  fill = (rps, 0, 0, 0, rps, 0)
-  return tuple(jnp.pad(d, [(0, N - d.shape[0])] + [(0, 0)] * (d.ndim - 1), constant_values=v)
-               for d, v in zip(dec, fill))
+  fill = (rps, 0, 0, 0, rps)
+  return tuple(jnp.pad(d, (0, N - d.shape[0]), constant_values=v) for d, v in zip(dec, fill))
 
 
-def _route_ragged(plan, t, st, x, step, key, update, M: int, local, edges, native: bool):
+def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bool):
   """`_route_a2a` by `ragged_all_to_all` (module `ragged`): each device's owner runs of
   distinct ids travel as they are into a receive buffer of M slots per owner
   (`EmbeddingPlan.managed_capacity`), so the owner resolves M slots, not S x C (M ~ the
@@ -521,7 +484,7 @@ def _route_ragged(plan, t, st, x, step, key, update, M: int, local, edges, nativ
   sent = jnp.stack([d_hi, d_lo, occ], -1)                                  # (n, 3) owner runs
   recv = ragged.to_owners(r, sent, -1, M, native)                          # (M, 3) hi -1: none
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=True)          # (R M, 3)
-  row, counts, dec = _owner_resolve(plan, t, st, every[:, :2], step, key, update, every[:, 2])
+  row, counts, dec = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2])
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
@@ -553,32 +516,72 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
   maps = {k: st[k] for k in MAP_LEAVES if k != "map_used"}
   if not _by_owner(plan):
-    rows, counts, dec = _route_broadcast(plan, t, maps, x, step, key, update)
+    rows, counts, dec = _route_broadcast(plan, t, maps, x, step, update)
   else:
     (local, edges), over = routed
     if plan.rw_exchange == "ragged":
-      by_owner = lambda m: _route_ragged(plan, t, m, x, step, key, update, C, local,  # noqa: E731
+      by_owner = lambda m: _route_ragged(plan, t, m, x, step, update, C, local,  # noqa: E731
                                          edges, ragged.is_native(plan.mesh))
     else:
-      by_owner = lambda m: _route_a2a(plan, t, m, x, step, key, update, C, local,  # noqa: E731
+      by_owner = lambda m: _route_a2a(plan, t, m, x, step, update, C, local,  # noqa: E731
                                       edges, True)
     rows, counts, dec = jax.lax.cond(
-        over, lambda m: _route_broadcast(plan, t, m, x, step, key, update), by_owner, maps)
-  out = dict(st)
-  if update:   # the map writes; rows taken by new ids restart: fresh weights, default slots
-    upd, hi, lo, cnt, reset, fresh = dec
-    out["map_hi"] = st["map_hi"].at[upd].set(hi, mode="drop")
-    out["map_lo"] = st["map_lo"].at[upd].set(lo, mode="drop")
-    out["map_last"] = st["map_last"].at[upd].set(jnp.broadcast_to(step, upd.shape), mode="drop")
-    out["map_count"] = st["map_count"].at[upd].set(cnt, mode="drop")
-    out["weight"] = st["weight"].at[reset].set(fresh.astype(st["weight"].dtype), mode="drop")
-    if "accumulator" in st:
-      acc0 = plan.buffers[plan.buffer_of[t.name]].optimizer.initial_accumulator
-      out["accumulator"] = st["accumulator"].at[reset].set(acc0, mode="drop")
-    for s in ("m", "v"):
-      if s in st:
-        out[s] = st[s].at[reset].set(0.0, mode="drop")
-  return out, rows, counts
+        over, lambda m: _route_broadcast(plan, t, m, x, step, update), by_owner, maps)
+  if not update:
+    return dict(st), rows, counts
+  return _apply_writes(plan, t, st, dec, step, key, _write_width(plan, t, x)), rows, counts
+
+
+def _write_width(plan: EmbeddingPlan, t: TableConfig, x) -> int:
+  """Slots per chunk of `_apply_writes`: half the owner route's slots (usually one chunk:
+  the route's slots are sized with room over the distinct ids expected), 64 to 4,096."""
+  C, M = plan.managed_capacity(t.name)
+  n = plan.num_replicas * plan.num_shards * x.shape[0]
+  slots = plan.num_replicas * (M if plan.rw_exchange == "ragged" else plan.num_shards * C)
+  return int(min(4096, max(64, min(slots, n) // 2)))
+
+
+def _chunks(valid, width: int, body, carry):
+  """carry = body(sel, carry) over the positions where `valid` (N,) holds, `width` at a
+  time (sel (width,) int32: the next `width` of them in order, N past the last): a while
+  loop of ceil(count / width) chunks. A scatter on XLA:CPU costs every update slot, real
+  or dropped, so the writes go by the count, not by the route's N padded slots.
+    Example: valid = [0, 1, 1, 0, 1], width 2: csum = [0, 1, 2, 2, 3], chunk 0 selects
+    the 1st and 2nd valid positions, searchsorted(csum, [1, 2]) = [1, 2]; chunk 1
+    [3, 4] -> [4, 5] (5 = N: none); then 2 x 2 >= 3 stops."""
+  csum = jnp.cumsum(valid.astype(jnp.int32))                               # (N,)
+  j = jnp.arange(1, width + 1, dtype=jnp.int32)
+
+  def step(c):
+    i, carry = c
+    return i + 1, body(jnp.searchsorted(csum, i * width + j).astype(jnp.int32), carry)
+  return jax.lax.while_loop(lambda c: c[0] * width < csum[-1], step, (jnp.int32(0), carry))[1]
+
+
+def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key, width: int):
+  """The route's writes (`_owner_resolve`, padded to N slots, rps: none) into this owner's
+  buffers: the map rows written (key, last = step, count), and the rows taken by new ids
+  restarted (fresh weights from `_fresh_rows`, default optimizer slots)."""
+  upd, hi, lo, cnt, reset = dec          # (N,) each; a row re-initialised is also a map write
+  rps = plan.buffers[plan.buffer_of[t.name]].local_rows
+  shard = jax.lax.axis_index("shard")
+  at = lambda v, sel, fill=0: jnp.take(v, sel, mode="fill", fill_value=fill)  # noqa: E731
+
+  acc0 = plan.buffers[plan.buffer_of[t.name]].optimizer.initial_accumulator
+  default = {"weight": None, "accumulator": acc0, "m": 0.0, "v": 0.0}
+
+  def write(sel, b):   # sel: the next `width` map writes; the rows re-initialised are among them
+    u, r = at(upd, sel, rps), at(reset, sel, rps)                          # (width,) rps: drop
+    fresh = _fresh_rows(t, key, shard * rps + jnp.minimum(r, rps - 1))     # (width, D)
+    rows = {k: b[k].at[r].set(fresh.astype(b[k].dtype) if default[k] is None else default[k],
+                              mode="drop") for k in default if k in b}
+    return {"map_hi": b["map_hi"].at[u].set(at(hi, sel), mode="drop"),
+            "map_lo": b["map_lo"].at[u].set(at(lo, sel), mode="drop"),
+            "map_last": b["map_last"].at[u].set(jnp.broadcast_to(step, u.shape), mode="drop"),
+            "map_count": b["map_count"].at[u].set(at(cnt, sel), mode="drop"), **rows}
+
+  keys = ("map_hi", "map_lo", "map_last", "map_count", *(k for k in default if k in st))
+  return {**st, **_chunks(upd != rps, width, write, {k: st[k] for k in keys})}
 
 
 def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True):
