@@ -91,6 +91,7 @@ COUNTERS = ("ids", "hits", "inserts", "evictions", "expired", "collisions", "use
 _BIG = np.iinfo(np.int32).max
 _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
+_MAP_ROWS = tuple(k for k in MAP_LEAVES if k != "map_used")   # the per-row map leaves
 _MIN_FP_BITS = 8     # fewer fingerprint bits in a key: always the exact sort
 
 
@@ -514,7 +515,7 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
   C = _capacity(plan, t, x)
   # The routes only read the map and return what to write (batch-sized): table-sized
   # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
-  maps = {k: st[k] for k in MAP_LEAVES if k != "map_used"}
+  maps = {k: st[k] for k in _MAP_ROWS}
   if not _by_owner(plan):
     rows, counts, dec = _route_broadcast(plan, t, maps, x, step, update)
   else:
@@ -535,9 +536,9 @@ def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, 
 def _write_width(plan: EmbeddingPlan, t: TableConfig, x) -> int:
   """Slots per chunk of `_apply_writes`: half the owner route's slots (usually one chunk:
   the route's slots are sized with room over the distinct ids expected), 64 to 4,096."""
-  C, M = plan.managed_capacity(t.name)
+  cap = _capacity(plan, t, x)                     # per owner (ragged) or per pair (a2a)
   n = plan.num_replicas * plan.num_shards * x.shape[0]
-  slots = plan.num_replicas * (M if plan.rw_exchange == "ragged" else plan.num_shards * C)
+  slots = plan.num_replicas * (cap if plan.rw_exchange == "ragged" else plan.num_shards * cap)
   return int(min(4096, max(64, min(slots, n) // 2)))
 
 
@@ -580,7 +581,7 @@ def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key,
             "map_last": b["map_last"].at[u].set(jnp.broadcast_to(step, u.shape), mode="drop"),
             "map_count": b["map_count"].at[u].set(at(cnt, sel), mode="drop"), **rows}
 
-  keys = ("map_hi", "map_lo", "map_last", "map_count", *(k for k in default if k in st))
+  keys = (*_MAP_ROWS, *(k for k in default if k in st))
   return {**st, **_chunks(upd != rps, width, write, {k: st[k] for k in keys})}
 
 
