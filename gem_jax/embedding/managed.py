@@ -341,6 +341,34 @@ def _segments(d_lead):
           - 1).astype(jnp.int32)
 
 
+def _victim_keys(t: TableConfig, cls, last, count):
+  """Sort keys (M, K) each of a window's candidate rows in the policy's (class, priority)
+  order (class 0 empty, 1 expired, 2 live, 3 hit or taken back this step: not free;
+  empty rows in row order), as few as the policy allows. LRU: one key, the row's `last`
+  (empty -1, not free int32 max): expired iff last <= step - ttl_steps, so the class of a
+  free row is monotone in `last`. LFU without TTL: (count, last) with empty (-1, 0).
+  LFU with TTL: (class, count, last)."""
+  top, empty = jnp.int32(_BIG), cls == 0
+  if t.eviction == "lru":
+    return (jnp.where(cls == 3, top, jnp.where(empty, -1, jnp.clip(last, 0, _BIG - 1))),)
+  count, last = jnp.where(empty, 0, count), jnp.where(empty, 0, last)
+  if not t.ttl_steps:
+    return jnp.where(cls == 3, top, jnp.where(empty, -1, count)), last
+  return cls, count, last
+
+
+def _placed_before(keys, K: int):
+  """before (M, K, K): candidate j comes before candidate k in the lexicographic order of
+  `keys` (each (M, K)), ties by row (j < k). Pairwise comparison (K^2 per id) is cheaper
+  than a sort along K on XLA:CPU; a candidate's place is its row's count."""
+  kk = jnp.arange(K, dtype=jnp.int32)
+  before = kk[None, None, :] < kk[None, :, None]                           # (1, K, K) j < k
+  for v in reversed(keys):
+    a, b = v[:, :, None], v[:, None, :]                                    # k, j
+    before = (b < a) | ((b == a) & before)
+  return before
+
+
 def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, update: bool,
                    w=None):
   """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
@@ -388,18 +416,8 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   ahead = jnp.cumsum(miss) - miss            # distinct ids in (window, fp, id) order:
   rank = ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]  # misses before
   cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
-  if t.eviction == "lru":
-    p1, p2 = m_last, jnp.zeros_like(m_last)
-  else:
-    p1, p2 = m_cnt, m_last
-  # Place of each candidate in the (cls, p1, p2, k) order, by pairwise comparison (K^2 per id:
-  # cheaper than a sort along K on XLA:CPU); the victim is the candidate placed `rank`.
-  a = lambda v: v[:, :, None]  # noqa: E731   candidate k
-  b = lambda v: v[:, None, :]  # noqa: E731   candidate j
-  kk = jnp.arange(K, dtype=jnp.int32)
-  before = ((b(cls) < a(cls)) | ((b(cls) == a(cls)) & ((b(p1) < a(p1)) | ((b(p1) == a(p1)) & (
-      (b(p2) < a(p2)) | ((b(p2) == a(p2)) & (kk[None, None, :] < kk[None, :, None])))))))
-  place = jnp.sum(before, axis=2)                                          # (M, K)
+  # the victim of the miss ranked i is the free candidate placed i
+  place = jnp.sum(_placed_before(_victim_keys(t, cls, m_last, m_cnt), K), axis=2)  # (M, K)
   free = jnp.sum(cls < 3, axis=1)
   put = miss & (rank < free)
   vic_k = jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
