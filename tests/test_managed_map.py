@@ -54,14 +54,16 @@ def _stream(seed, steps):
   return out
 
 
-def _check(plan, state, host, rows, counters, ref, step):
-  flat = np.concatenate([host[f].ravel() for f in plan.features])
+def _check(plan, state, host, rows, counters, ref, step, table="u"):
+  """Rows, counters and map of managed `table` (its features' ids in `host`) against `ref`."""
+  fs = [f for f, c in plan.features.items() if c.table == table]
+  flat = np.concatenate([host[f].ravel() for f in fs])
   want, want_c = ref.step(flat, step)
-  assert {k: int(v) for k, v in counters["u"].items()} == want_c, step
-  for f in plan.features:
+  assert {k: int(v) for k, v in counters[table].items()} == want_c, (table, step)
+  for f in fs:
     exp = np.vectorize(lambda x: -1 if x == -1 or want[int(x)] is None else want[int(x)])(host[f])
     np.testing.assert_array_equal(np.asarray(rows[f]), exp, err_msg=f"step {step} {f}")
-  canon = jax.tree.map(np.asarray, export_state(plan, state))["u"]
+  canon = jax.tree.map(np.asarray, export_state(plan, state))[table]
   ids, last, count = ref.arrays()
   got = managed.join_ids(np.stack([canon["map_hi"], canon["map_lo"]], -1))
   np.testing.assert_array_equal(got, ids)
@@ -110,6 +112,39 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
   if ttl:
     assert totals["expired"] > 0
 
+
+
+def test_tables_of_one_exchange_match_their_references():
+  """Two managed tables of different windows, policies and route sizes travel in one
+  exchange (`_route_a2a`: side by side in each (device, owner) row); "v"'s routes are
+  sized for 2 distinct ids per (device, owner), so its odd steps (up to 6) overflow them
+  and every table takes the broadcast path, its even ones (2) do not: each table's rows,
+  counters and map equal its own reference's."""
+  tables = [TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K, ttl_steps=3),
+            TableConfig("v", rows=2 * ROWS, dim=4, id_policy="managed", probe=8,
+                        eviction="lfu")]
+  feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("v", "v", bag=3)]
+  plan = plan_embeddings(tables, feats, make_mesh(2, 4), batch_size=B,
+                         optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1),
+                         distinct_share={"v": 0.02})
+  assert plan.managed_capacity("u")[0] == 4 and plan.managed_capacity("v")[0] == 2
+  refs = {"u": RefMap(ROWS, K, "lru", 3), "v": RefMap(2 * ROWS, 8, "lfu", 0)}
+  state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
+  rng = np.random.default_rng(5)
+  pops = {t: rng.integers(0, 1 << 62, 400, dtype=np.int64) * 2 + 1 for t in refs}
+  seen = dict.fromkeys(["evictions", "hits"], 0)
+  for step in range(8):
+    live = {t: p[5 * step: 5 * step + 60] for t, p in pops.items()}
+    if step % 2 == 0:                  # 2 distinct ids of "v": no route overflows
+      live["v"] = live["v"][:2]
+    host = {"u": rng.choice(live["u"], (B, 2)), "v": rng.choice(live["v"], (B, 3))}
+    host["v"][rng.random((B, 3)) < 0.2] = -1
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    state, rows, counters = step_fn(state, ids, step)
+    for t, ref in refs.items():
+      c = _check(plan, state, host, rows, counters, ref, step, t)[1]
+      seen = {k: seen[k] + c[k] for k in seen}
+  assert seen["evictions"] > 0 and seen["hits"] > 0
 
 
 @pytest.mark.parametrize("force", ["sort", "fingerprint_ties"])

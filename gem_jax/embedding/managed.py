@@ -30,7 +30,8 @@ onto any mesh as it is. Per step, on the global batch's distinct ids, window by 
 
 Routing (the row-wise lookup's owners, `_route_a2a`). Each device deduplicates its ids
 grouped by owner (`_distinct`, below), so each owner's run is sent by one `all_to_all`
-of (S, C, 3) = (hi, lo, occurrences), C per (device, owner) from the plan
+of (S, C, 3) = (hi, lo, occurrences) per table, all managed tables' side by side in one
+exchange (S, sum C, 3), C per (device, owner) from the plan
 (`EmbeddingPlan.managed_capacity`: the table's expected distinct ids, from the id
 statistics when the plan has them, else every id slot). With `rw_exchange='ragged'`
 (`_route_ragged`; the default on GPU/TPU) the runs travel by `ragged_all_to_all` into M
@@ -46,9 +47,8 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   finds 9 in row 3 (a hit, count += 2) and inserts 7 into the free row 2; shard 1
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
-When some pair has more than C distinct ids anywhere (ragged: some owner more than M;
-one `pmax`), the step takes the
-broadcast path instead (`_route_broadcast`, exact for any skew): the global batch's ids
+When some pair of some table has more than C distinct ids anywhere (ragged: some owner
+more than M; one `pmax`), the step takes the broadcast path for every table instead (`_route_broadcast`, exact for any skew): the global batch's ids
 all-gathered, every owner resolves its windows, one `psum` over 'shard' gives every
 device the row of every id. Both paths give the same rows and maps (tested). One `pmax`
 (the overflow test) and one `psum` (the counters) serve all managed tables.
@@ -457,30 +457,41 @@ def _owners(plan, t, x):
   return (inv, d_hi, d_lo, occ, owner), edges
 
 
-def _route_a2a(plan, t, st, x, step, update, C: int, local, edges, pad: bool = False):
-  """Each device's distinct ids to the owners of their windows (all_to_all, C per pair),
-  gathered over 'replica' (each owner sees its windows' ids of the whole batch), resolved,
-  rows sent back along the same routes. `local`, `edges`: `_owners(plan, t, x)`."""
-  S, n = plan.num_shards, x.shape[0]
-  inv, d_hi, d_lo, occ, owner = local
-  start = edges[:-1]
-  j = jnp.arange(C, dtype=jnp.int32)
-  slot = jnp.minimum(start[:, None] + j[None, :], n - 1)                   # (S, C)
-  ok = j[None, :] < jnp.diff(edges)[:, None]
-  send = jnp.stack([jnp.where(ok, d_hi[slot], -1), jnp.where(ok, d_lo[slot], 0),
-                    jnp.where(ok, occ[slot], 0)], -1)                      # (S, C, 3) id, count
-  recv = jax.lax.all_to_all(send, "shard", 0, 0, tiled=True)               # (S, C, 3) asked of me
-  every = jax.lax.all_gather(recv, "replica", axis=0, tiled=False)         # (R, S, C, 3)
-  flat = every.reshape(-1, 3)
-  row, counts, dec = _owner_resolve(plan, t, st, flat[:, :2], step, update, flat[:, 2])
-  mine = row.reshape(every.shape[:3])[jax.lax.axis_index("replica")]       # (S, C) my group's
-  back = jax.lax.all_to_all(mine, "shard", 0, 0, tiled=True)               # (S, C) my requests
-  o = jnp.minimum(owner, S - 1)
-  pos = jnp.arange(n, dtype=jnp.int32) - start[o]                          # (n,) place in run
-  d_row = jnp.where(owner < S, back[o, jnp.clip(pos, 0, C - 1)], -1)       # per distinct id
-  if pad:   # to the broadcast path's shapes (the two branches of one lax.cond)
-    dec = _pad_writes(plan, t, dec, n)
-  return d_row[inv], counts, dec
+def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
+  """Each device's distinct ids to the owners of their windows, for all tables `ts` at
+  once: one all_to_all of (S, sum C, 3) (table t's C per (device, owner) pair side by
+  side), gathered over 'replica' (each owner sees its windows' ids of the whole batch),
+  resolved table by table, rows sent back by one all_to_all of (S, sum C) along the same
+  routes. `owned`: `_owners(plan, t, x)` per table. Returns [(rows (n,), counts, writes)]
+  per table, the writes padded to the broadcast path's shapes (`_pad_writes`).
+    Example (S = 2, tables u with C = 3 and v with C = 2): device 0 sends owner 1 the
+    row [u0 u1 u2 v0 v1] of (hi, lo, count) triples (its runs padded with hi = -1); owner 1
+    resolves slots [:, 0:3] against u's map and [:, 3:5] against v's."""
+  S = plan.num_shards
+  sends = []
+  for x, C, ((inv, d_hi, d_lo, occ, owner), edges) in zip(xs, Cs, owned):
+    start, j = edges[:-1], jnp.arange(C, dtype=jnp.int32)
+    slot = jnp.minimum(start[:, None] + j[None, :], x.shape[0] - 1)        # (S, C)
+    ok = j[None, :] < jnp.diff(edges)[:, None]
+    sends.append(jnp.stack([jnp.where(ok, d_hi[slot], -1), jnp.where(ok, d_lo[slot], 0),
+                            jnp.where(ok, occ[slot], 0)], -1))             # (S, C, 3)
+  recv = jax.lax.all_to_all(jnp.concatenate(sends, 1), "shard", 0, 0, tiled=True)  # asked of me
+  every = jax.lax.all_gather(recv, "replica", axis=0, tiled=False)         # (R, S, sum C, 3)
+  offs = np.cumsum([0, *Cs])
+  got, mine = [], []
+  for i, t in enumerate(ts):
+    flat = every[:, :, offs[i]:offs[i + 1]].reshape(-1, 3)                 # (R S C, 3)
+    row, counts, dec = _owner_resolve(plan, t, maps[i], flat[:, :2], step, update, flat[:, 2])
+    got.append((counts, _pad_writes(plan, t, dec, xs[i].shape[0])))
+    mine.append(row.reshape(-1, S, Cs[i])[jax.lax.axis_index("replica")])  # (S, C) my group's
+  back = jax.lax.all_to_all(jnp.concatenate(mine, 1), "shard", 0, 0, tiled=True)  # my requests
+  out = []
+  for i, (x, ((inv, _, _, _, owner), edges)) in enumerate(zip(xs, owned)):
+    o = jnp.minimum(owner, S - 1)
+    pos = jnp.arange(x.shape[0], dtype=jnp.int32) - edges[o]               # (n,) place in run
+    d_row = jnp.where(owner < S, back[o, offs[i] + jnp.clip(pos, 0, Cs[i] - 1)], -1)
+    out.append((d_row[inv], *got[i]))
+  return out
 
 
 def _pad_writes(plan, t, dec, n: int):
@@ -522,33 +533,34 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
   return min(M, plan.num_shards * n) if plan.rw_exchange == "ragged" else min(C, n)
 
 
-def _resolve_table(plan: EmbeddingPlan, t: TableConfig, st: dict, x, step, key, update, routed):
-  """One device: (its buffer state, its ids (n, 2)) -> (state, rows (n,), local counts (7,)).
+def _route_all(plan: EmbeddingPlan, ts, maps, xs, step, update):
+  """One device: the maps and ids (n, 2) of tables `ts` -> [(rows (n,), local counts (7,),
+  writes)] per table.
 
-  By owner (`_route_a2a`) unless some (device, owner) pair has more than C distinct ids
-  anywhere in the mesh (`routed` = (`_owners`, over): one `pmax` for all tables, the same
-  branch everywhere), then by broadcast (`_route_broadcast`): both give the same rows and
-  maps.
+  By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
+  unless some (device, owner) pair of some table has more than its C distinct ids anywhere
+  in the mesh (one `pmax`: the same branch everywhere), then every table by broadcast
+  (`_route_broadcast`): both give the same rows and maps.
   """
-  C = _capacity(plan, t, x)
-  # The routes only read the map and return what to write (batch-sized): table-sized
-  # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
-  maps = {k: st[k] for k in _MAP_ROWS}
   if not _by_owner(plan):
-    rows, counts, dec = _route_broadcast(plan, t, maps, x, step, update)
-  else:
-    (local, edges), over = routed
-    if plan.rw_exchange == "ragged":
-      by_owner = lambda m: _route_ragged(plan, t, m, x, step, update, C, local,  # noqa: E731
-                                         edges, ragged.is_native(plan.mesh))
-    else:
-      by_owner = lambda m: _route_a2a(plan, t, m, x, step, update, C, local,  # noqa: E731
-                                      edges, True)
-    rows, counts, dec = jax.lax.cond(
-        over, lambda m: _route_broadcast(plan, t, m, x, step, update), by_owner, maps)
-  if not update:
-    return dict(st), rows, counts
-  return _apply_writes(plan, t, st, dec, step, key, _write_width(plan, t, x)), rows, counts
+    return [_route_broadcast(plan, t, m, x, step, update) for t, m, x in zip(ts, maps, xs)]
+  owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
+  caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
+  runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
+  if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
+    runs = jax.lax.psum(runs, "shard")
+  over = jax.lax.pmax(jnp.any(runs > jnp.asarray(caps)[:, None]).astype(jnp.int32), BATCH) > 0
+
+  def by_owner(maps):
+    if plan.rw_exchange != "ragged":
+      return _route_a2a(plan, ts, maps, xs, step, update, caps, owned)
+    native = ragged.is_native(plan.mesh)
+    return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
+            for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
+
+  def broadcast(maps):
+    return [_route_broadcast(plan, t, m, x, step, update) for t, m, x in zip(ts, maps, xs)]
+  return jax.lax.cond(over, broadcast, by_owner, maps)
 
 
 def _write_width(plan: EmbeddingPlan, t: TableConfig, x) -> int:
@@ -630,21 +642,16 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   def body(sub, raw, step, key):
     new, rows, counters = {}, {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
-    routed = [None] * len(names)
-    if _by_owner(plan):   # one pmax for every table: does any route exceed its capacity?
-      own = [_owners(plan, plan.tables[t], x) for t, x in zip(names, xs)]
-      runs = jnp.stack([jnp.diff(e) for _, e in own])                      # (T, S) my owner runs
-      if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
-        runs = jax.lax.psum(runs, "shard")
-      caps = jnp.asarray([_capacity(plan, plan.tables[t], x) for t, x in zip(names, xs)])
-      over = jax.lax.pmax(jnp.any(runs > caps[:, None], axis=1).astype(jnp.int32), BATCH) > 0
-      routed = [(o, over[i]) for i, o in enumerate(own)]
-    got = []
-    for i, t in enumerate(names):
-      new[bufs[i]], r, c = _resolve_table(plan, plan.tables[t], sub[bufs[i]], xs[i], step,
-                                          jax.random.fold_in(key, i), update, routed[i])
-      got.append((r, c))
-    allc = jax.lax.psum(jnp.stack([c for _, c in got]), "shard")            # (tables, 7)
+    ts = [plan.tables[t] for t in names]
+    # The routes only read the maps and return what to write (batch-sized): table-sized
+    # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
+    maps = [{k: sub[b][k] for k in _MAP_ROWS} for b in bufs]
+    got = _route_all(plan, ts, maps, xs, step, update)                     # [(rows, counts, dec)]
+    for i, t in enumerate(ts):
+      new[bufs[i]] = dict(sub[bufs[i]]) if not update else _apply_writes(
+          plan, t, sub[bufs[i]], got[i][2], step, jax.random.fold_in(key, i),
+          _write_width(plan, t, xs[i]))
+    allc = jax.lax.psum(jnp.stack([c for _, c, _ in got]), "shard")         # (tables, 7)
     for i, t in enumerate(names):
       fs, r, c = feats[t], got[i][0], allc[i]
       if update:
