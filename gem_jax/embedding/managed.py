@@ -48,9 +48,10 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
 When some pair of some table has more than C distinct ids anywhere (ragged: some owner
-more than M; one `pmax`), the step takes the broadcast path for every table instead (`_route_broadcast`, exact for any skew): the global batch's ids
-all-gathered, every owner resolves its windows, one `psum` over 'shard' gives every
-device the row of every id. Both paths give the same rows and maps (tested). One `pmax`
+more than M; one `pmax`), the step takes the broadcast path for every table instead
+(`_route_broadcast`, exact for any skew): the global batch's ids all-gathered, every
+owner resolves its windows, one `psum` over 'shard' gives every device the row of every
+id. Both paths give the same rows and maps (tested). One `pmax`
 (the overflow test) and one `psum` (the counters) serve all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
