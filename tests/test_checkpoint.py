@@ -138,3 +138,51 @@ def test_config_dict_round_trip(tmp_path):
                         "data": {"kind": "synthetic"}}
   assert got.data_state == [{"a": 1}, {"b": [1, 2]}]
   assert ml_collections.ConfigDict(got.config).train.steps == 10
+
+
+def test_shared_kvstore_specs_equal_orbax_own(tmp_path):
+  """The per-directory spec, copied per array, is the spec Orbax builds for that array."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+  from gem_jax.train import tensorstore_leaks
+  tensorstore_leaks.install()
+  shared = tsu._build_ocdbt_kvstore_tspec
+  assert hasattr(shared, "wrapped"), "this Orbax lacks the hook: the leak is back"
+  own = shared.wrapped
+  write = tsu.OcdbtKvStoreWriteOptions(mode=tsu.OcdbtWriteMode.WRITE)
+  cases = [{}, {"write_options": write},
+           {"write_options": tsu.OcdbtKvStoreWriteOptions(
+               mode=tsu.OcdbtWriteMode.WRITE, target_data_file_size=1 << 20,
+               store_ocdbt_metadata_and_values_separately=True)}]
+  for directory in (str(tmp_path / "1" / "state"), str(tmp_path / "2" / "state")):
+    for options in cases:
+      for name in (None, "params.w", "table", None, "params.w"):  # misses, then hits
+        got = shared(directory, name, **options)
+        assert got == own(directory, name, **options), (directory, name, options)
+        got["path"] = "changed"                                    # copies, not shared
+  assert shared(directory=directory, name="x") == own(directory=directory, name="x")
+
+
+def test_saves_do_not_leak_python_objects(tmp_path):
+  """Python's allocated blocks stay flat across saves of a many-array state.
+
+  Without `tensorstore_leaks`, each save leaves ~4 blocks per array (tensorstore's
+  `KvStore.Spec.to_json`) plus ~140 (its metric collection): ~500 here, ~13 with it.
+  """
+  import gc
+  import sys
+  n_arrays = 60
+  state = {f"a{i}": jnp.full((8, 4), i, jnp.float32) for i in range(n_arrays)}
+  ckpt = CheckpointManager(str(tmp_path / "ckpt"), save_every=1, keep=2)
+
+  def blocks_after(first, last):
+    for step in range(first, last):
+      ckpt.save(step, state, data_state={"step": step})
+    ckpt.wait()
+    gc.collect()
+    return sys.getallocatedblocks()
+
+  start = blocks_after(1, 31)                  # caches, pools and compiled paths warm
+  end = blocks_after(31, 61)
+  ckpt.close()
+  per_save = (end - start) / 30
+  assert per_save < n_arrays / 2, f"{per_save:.0f} Python blocks retained per save"

@@ -57,6 +57,7 @@ from orbax.checkpoint import checkpoint_managers as ocm
 
 from gem_jax import hostmem
 from gem_jax.train import integrity
+from gem_jax.train import tensorstore_leaks
 from gem_jax.train import metrics as metrics_lib
 
 _ITEMS = ("state", "data", "config")
@@ -193,6 +194,7 @@ class CheckpointManager:
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         create=True,
     )
+    tensorstore_leaks.install()
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=_ITEMS)
 
