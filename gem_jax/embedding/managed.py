@@ -543,8 +543,11 @@ def _route_all(plan: EmbeddingPlan, ts, maps, xs, step, update):
   in the mesh (one `pmax`: the same branch everywhere), then every table by broadcast
   (`_route_broadcast`): both give the same rows and maps.
   """
-  if not _by_owner(plan):
+  def broadcast(maps):
     return [_route_broadcast(plan, t, m, x, step, update) for t, m, x in zip(ts, maps, xs)]
+
+  if not _by_owner(plan):
+    return broadcast(maps)
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
@@ -559,8 +562,6 @@ def _route_all(plan: EmbeddingPlan, ts, maps, xs, step, update):
     return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
             for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
 
-  def broadcast(maps):
-    return [_route_broadcast(plan, t, m, x, step, update) for t, m, x in zip(ts, maps, xs)]
   return jax.lax.cond(over, broadcast, by_owner, maps)
 
 
