@@ -18,6 +18,8 @@ from conftest import make_mesh
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig,
                                apply_sparse_updates, export_state, gather_rows,
                                init_embedding_state, plan_embeddings, pool_rows, prepare_ids)
+from gem_jax.embedding.exchange import NO_ROW
+from gem_jax.embedding.optimizers import distinct_rows
 
 ROWS, DIM, B = 200, 8, 32
 TABLES = [TableConfig("rw", ROWS, DIM, sharding="row_wise")]
@@ -180,3 +182,20 @@ def test_id_stats_and_the_capacity_they_set():
       init_embedding_state(blind, jax.random.key(0)),
       jax.device_put(prepare_ids(blind, {"s": ids}), blind.ids_shardings()))
   assert np.asarray(ctx["overflow"]["row_wise.s"]).all()      # unmeasured skew: exact fallback
+
+
+@pytest.mark.parametrize("fill", [NO_ROW, -1])
+def test_distinct_equals_jnp_unique(fill):
+  """`distinct_rows` (two single-operand sorts + a binary search) against
+  `jnp.unique(size=n, return_inverse=True)`: Zipf rows with repeats and the padding
+  (`rw_distinct`: NO_ROW, filled with NO_ROW; `_unique`: -1, filled with -1), all equal,
+  all distinct."""
+  rng = np.random.default_rng(0)
+  cases = [(rng.zipf(1.1, 2048) % 100_000).astype(np.int32),
+           np.full(64, 7, np.int32), np.arange(64, dtype=np.int32)[::-1].copy()]
+  cases[0][::17] = fill
+  for x in cases:
+    want_u, want_i = jnp.unique(x, size=x.size, fill_value=fill, return_inverse=True)
+    got_u, got_i = jax.jit(distinct_rows, static_argnums=1)(jnp.asarray(x), fill)
+    np.testing.assert_array_equal(got_u, want_u)
+    np.testing.assert_array_equal(got_i, want_i.reshape(-1))

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gem_jax.embedding import managed, ragged
+from gem_jax.embedding.optimizers import distinct_rows
 from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
 
 DEV = P("replica", "shard")   # spec of per-device leaves (rows, ctx): (R, S, ...)
@@ -145,9 +146,9 @@ NO_ROW = jnp.iinfo(jnp.int32).max   # sorts after every row: the padding of dist
 
 def rw_distinct(ids):
   """(b, bag) rows, -1 = padding -> (distinct rows ascending (n,), NO_ROW padded; inverse)."""
-  flat = jnp.where(ids >= 0, ids, NO_ROW).reshape(-1)
-  uniq, inv = jnp.unique(flat, size=flat.shape[0], fill_value=NO_ROW, return_inverse=True)
-  return uniq.astype(jnp.int32), inv.reshape(ids.shape).astype(jnp.int32)
+  flat = jnp.where(ids >= 0, ids, NO_ROW).reshape(-1).astype(jnp.int32)
+  uniq, inv = distinct_rows(flat, NO_ROW)
+  return uniq, inv.reshape(ids.shape)
 
 
 def rw_routes(uniq, rps: int, num_shards: int, capacity: int):
@@ -276,8 +277,8 @@ def _unique(idx, dedup: bool = True):
   flat = idx.reshape(-1)
   if not dedup:
     return flat.astype(jnp.int32), jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(idx.shape)
-  uniq, inv = jnp.unique(flat, size=flat.shape[0], fill_value=-1, return_inverse=True)
-  return uniq.astype(jnp.int32), inv.reshape(idx.shape).astype(jnp.int32)
+  uniq, inv = distinct_rows(flat.astype(jnp.int32), -1)
+  return uniq, inv.reshape(idx.shape)
 
 
 def gather_rows(plan: EmbeddingPlan, state, ids):

@@ -16,6 +16,21 @@ from gem_jax.embedding.config import SparseOptimizerConfig
 _BIG = jnp.iinfo(jnp.int32).max
 
 
+def distinct_rows(flat, fill):
+  """int32 (n,) -> (distinct values ascending (n,), `fill` padded; inverse (n,): position
+  of each value in them; _BIG in `flat` only with fill = _BIG) = `jnp.unique(flat, size=n,
+  fill_value=fill, return_inverse=True)`, by two sorts of one int32 operand and a binary
+  search: XLA:CPU sorts a single operand without calling a comparator, where
+  `jnp.unique` sorts (value, index) pairs (2,048 ids: ~0.2 ms against ~0.65 ms).
+    Example: flat [5, 0, 5, 9] -> sorted [0, 5, 5, 9], first of its run [1, 1, 0, 1],
+    uniq = sort([0, 5, _BIG, 9]) = [0, 5, 9, fill], inverse [1, 0, 1, 2]."""
+  s = jnp.sort(flat)                                                       # (n,)
+  first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+  uniq = jnp.sort(jnp.where(first, s, _BIG))                               # _BIG last
+  inv = jnp.searchsorted(uniq, flat).astype(jnp.int32)
+  return jnp.where(uniq == _BIG, fill, uniq).astype(jnp.int32), inv
+
+
 def dedup_rows(rows: jax.Array, grads: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Sums the gradients of duplicate rows.
 
@@ -27,13 +42,8 @@ def dedup_rows(rows: jax.Array, grads: jax.Array) -> tuple[jax.Array, jax.Array]
     at padding). Example: rows [3, -1, 3, 1] -> [1, 3, -1, -1], [g3, g0 + g2, 0, 0].
   """
   n = rows.shape[0]
-  key = jnp.where(rows < 0, _BIG, rows)
-  order = jnp.argsort(key, stable=True)
-  skey = key[order]                                                   # (n,)
-  first = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-  seg = jnp.cumsum(first) - 1                                         # (n,) segment of each
-  uniq = jnp.full((n,), _BIG, jnp.int32).at[seg].set(skey)
-  summed = jax.ops.segment_sum(grads[order].astype(jnp.float32), seg, num_segments=n)
+  uniq, inv = distinct_rows(jnp.where(rows < 0, _BIG, rows).astype(jnp.int32), _BIG)
+  summed = jax.ops.segment_sum(grads.astype(jnp.float32), inv, num_segments=n)  # (n, D)
   valid = uniq != _BIG
   return jnp.where(valid, uniq, -1), jnp.where(valid[:, None], summed, 0.0)
 
