@@ -21,6 +21,7 @@ import jax  # noqa: E402
 
 from gem_jax.data import registry  # noqa: E402
 from gem_jax.parallel import distributed  # noqa: E402
+from gem_jax.train import predict  # noqa: E402
 from gem_jax.transfer import generate  # noqa: E402
 from gem_jax.transfer.train import _load_config  # noqa: E402
 
@@ -40,8 +41,8 @@ def main(argv=None) -> dict:
   distributed.maybe_initialize()
   data_cfg = _load_config(args.data_config)
   b = args.batch_size or data_cfg.data.batch_size
-  teacher = generate.restore_teacher(_load_config(args.teacher_config), args.teacher_workdir, b,
-                                     step=args.step)
+  teacher = predict.restore_model(_load_config(args.teacher_config), args.teacher_workdir, b,
+                                  step=args.step)
   train, ev = registry.make_sources(data_cfg.data)
   index = generate.generate_knowledge(
       teacher, train if args.split == "train" else ev, args.out, batch_size=b,

@@ -21,6 +21,7 @@ import jax  # noqa: E402
 
 from gem_jax.data import registry  # noqa: E402
 from gem_jax.parallel import distributed  # noqa: E402
+from gem_jax.train import predict  # noqa: E402
 from gem_jax.transfer import generate  # noqa: E402
 from gem_jax.transfer import train as ttrain  # noqa: E402
 
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   distributed.maybe_initialize()
   cfg = student_config(args.teacher_workdir, args.out, args.steps)
-  teacher = generate.restore_teacher(teacher_config(), args.teacher_workdir, B)
+  teacher = predict.restore_model(teacher_config(), args.teacher_workdir, B)
   train_src, eval_src = registry.make_sources(cfg.data)
   indexes = {}
   for split, src in (("train", train_src), ("eval", eval_src)):

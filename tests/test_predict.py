@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from data_fixtures import synth_data  # noqa: F401
@@ -207,6 +208,17 @@ def test_checkpoint_of_another_config_is_refused(run, change, field):
   fx, workdir, _, _ = run
   with pytest.raises(ConfigError, match=re.escape(field)):
     predict.restore_model(_config(fx, **change), workdir, BATCH)
+
+
+def test_config_check_reads_tuples_as_the_checkpoint_stores_them():
+  """The saved config is JSON (tuples come back as lists): the same config with tuple
+  overrides passes, another value is still named."""
+  c = ml_collections.ConfigDict({"model": {"name": "gem", "overrides": {"pyramid": (1.0,)}}})
+  saved = json.loads(json.dumps(c.to_dict()))
+  predict.check_config(saved, c, "ckpt")
+  c.model.overrides.pyramid = (0.5,)
+  with pytest.raises(ConfigError, match=re.escape("model.overrides={'pyramid': [1.0]}")):
+    predict.check_config(saved, c, "ckpt")
 
 
 def test_shape_check_names_the_leaf(run):

@@ -14,6 +14,7 @@ from gem_jax import embedding as emb_lib
 from gem_jax.train import checkpoint as ckpt_lib
 from gem_jax.train import setup as setup_lib
 from gem_jax.train.step import model_inputs
+from gem_jax.train import predict
 from gem_jax.transfer import generate, losses
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import train as ttrain
@@ -42,7 +43,7 @@ def teacher(tmp_path_factory):
   with ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"), save_every=None,
                                   keep=1) as ckpt:
     ckpt.save(5, setup_lib.checkpoint_tree(state, s.plan), config=cfg, force=True)
-  return generate.restore_teacher(cfg, wd, B)
+  return predict.restore_model(cfg, wd, B)
 
 
 @pytest.fixture(scope="module")

@@ -103,10 +103,11 @@ def _field(tree: Any, path: str) -> Any:
 
 def check_config(saved: dict | None, config, where: str) -> None:
   """ConfigError naming every IDENTITY field on which the checkpoint's saved config
-  differs from `config` (fields the saved config lacks are not compared)."""
+  differs from `config` (fields the saved config lacks are not compared). `config` is
+  compared as the checkpoint stores it, in JSON (a tuple reads back as a list)."""
   if not saved:
     return
-  mine = config.to_dict()
+  mine = json.loads(json.dumps(config.to_dict()))
   diffs = [(k, _field(saved, k), _field(mine, k)) for k in IDENTITY
            if _field(saved, k) is not None and _field(saved, k) != _field(mine, k)]
   if diffs:
@@ -199,11 +200,11 @@ def local_rows(x: jax.Array) -> np.ndarray:
   return np.concatenate(parts, axis=0)
 
 
-def forward_fn(model: Model, batch_shardings, trunk: bool = False):
-  """`(state, batch) -> {'logits': (B, T) fp32[, 'trunk': (B, H)]}`: the eval step's forward
-  (lookup, the model under the activation pins), jitted once with explicit shardings."""
+def forward_fn(model: Model, batch_shardings, fields: Sequence[str] = ()):
+  """`(state, batch) -> {'logits': (B, T) fp32, field: (B, D) fp32 per aux field}` (e.g.
+  'trunk', 'seq_summary'): the eval step's forward (lookup, the model under the activation
+  pins), jitted once with explicit shardings; scoring and knowledge generation run it."""
   s = model.setup
-  fields = ("trunk",) if trunk else ()
 
   def forward(state, batch):
     emb = emb_lib.lookup(s.eval_plan, state.emb, batch["ids"], batch.get("weights"))
@@ -552,7 +553,7 @@ def predict(model: Model, source, out: str, *, fmt: str = "parquet", trunk: bool
     with pipeline.Prefetcher(_Batches(rows, sl, b, steps), put_fn=put, size=2) as batches:
       for dev in batches:
         if fwd is None:
-          fwd = forward_fn(model, jax.tree.map(lambda x: x.sharding, dev), trunk)
+          fwd = forward_fn(model, jax.tree.map(lambda x: x.sharding, dev), ("trunk",) * trunk)
         chunks.append(fwd(model.state, dev))
         if len(chunks) > 1:
           chunks[-2] = _local(chunks[-2])

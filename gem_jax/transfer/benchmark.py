@@ -35,6 +35,7 @@ from gem_jax.data.avazu import APP_SITE_ID
 from gem_jax.data.synthetic import rank_auc
 from gem_jax.train import loop
 from gem_jax.train import setup as setup_lib
+from gem_jax.train import predict
 from gem_jax.transfer import generate
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import planted  # noqa: F401  (registers 'transfer_planted')
@@ -157,7 +158,7 @@ def planted_benchmark(workdir: str, base_teacher_config, budget: Budget,
                                                   seed=0), budget.teacher_steps, 256)
   tdir = os.path.join(workdir, "teacher")
   summary = loop.train_and_evaluate(tcfg, tdir)
-  teacher = generate.restore_teacher(tcfg, tdir, budget.batch_size)
+  teacher = predict.restore_model(tcfg, tdir, budget.batch_size)
   sdata = _cfg(dict(kind="transfer_planted", role="student", seed=0,
                     train_examples=budget.student_train, eval_examples=budget.student_eval))
   src_train, src_eval = data_registry.make_sources(sdata)
@@ -208,7 +209,7 @@ def avazu_benchmark(workdir: str, data_dir: str, base_teacher_config, budget: Bu
   tcfg = teacher_config(base_teacher_config, tdata, budget.teacher_steps, 256)
   tdir = os.path.join(workdir, "teacher")
   summary = loop.train_and_evaluate(tcfg, tdir)
-  teacher = generate.restore_teacher(tcfg, tdir, budget.batch_size)
+  teacher = predict.restore_model(tcfg, tdir, budget.batch_size)
   sdata = _cfg(dict(kind="avazu", train=paths["student_train"], eval=paths["student_eval"],
                     vocab_size=vocab, shuffle_buffer=0))
   src_train, src_eval = data_registry.make_sources(sdata)

@@ -102,7 +102,7 @@ def build_student_run(spec: DataSpec, mesh, model_cfg, emb_cfg, optim_cfg, *, st
 
 def init_student_state(run: StudentRun, seed: int, teacher=None) -> state_lib.TrainState:
   """A fresh student state in its shardings; shared parts copied from `teacher` (a
-  `generate.Teacher` or anything with `.state.params` and `.setup.plan`)."""
+  `predict.Model` or anything with `.state.params` and `.setup.plan`)."""
   state = setup_lib.init_state(run, seed)
   if run.opts.share_tables or run.opts.share_blocks:
     if teacher is None:
@@ -176,7 +176,7 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
     teacher: an already restored teacher for parameter sharing (else restored
       from `config.teacher` when sharing is configured).
   """
-  from gem_jax.transfer import generate  # pylint: disable=import-outside-toplevel
+  from gem_jax.train import predict  # pylint: disable=import-outside-toplevel
   mesh = make_mesh(resolve_mesh_shape(tuple(config.mesh), jax.device_count()))
   per_device, k = config.data.batch_size // mesh.size, config.train.grad_accum
   if k < 1 or per_device % k:
@@ -194,8 +194,7 @@ def train_student(config, workdir: str | None = None, teacher=None) -> dict:
                           batch_size=b, opts=opts, shared_vocab=shared,
                           grad_accum=config.train.grad_accum)
   if (opts.share_tables or opts.share_blocks) and teacher is None:
-    teacher = generate.restore_teacher(_load_config(config.teacher.config),
-                                       config.teacher.workdir, b)
+    teacher = predict.restore_model(_load_config(config.teacher.config), config.teacher.workdir, b)
   state = init_student_state(run, config.seed, teacher)
   log = []
   state, data_state, last = train_steps(
