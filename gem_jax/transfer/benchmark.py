@@ -34,8 +34,8 @@ from gem_jax.data import registry as data_registry
 from gem_jax.data.avazu import APP_SITE_ID
 from gem_jax.data.synthetic import rank_auc
 from gem_jax.train import loop
-from gem_jax.train import setup as setup_lib
 from gem_jax.train import predict
+from gem_jax.train import setup as setup_lib
 from gem_jax.transfer import generate
 from gem_jax.transfer import knowledge as kn
 from gem_jax.transfer import planted  # noqa: F401  (registers 'transfer_planted')
