@@ -321,11 +321,21 @@ class CheckpointManager:
 
   def _drain(self, attempts: int = 16) -> None:
     """Collects the other errors of a failed save (each of its writes may fail, and Orbax
-    raises them one at a time), so that none is blamed on the next save."""
+    raises them one at a time), so that none is blamed on the next save.
+
+    Orbax's finalize thread can fail (on the write of the step's metadata) while the
+    checkpointer's commit thread still runs; `CheckpointManager.check_for_errors` does not
+    wait for that thread, only its next `save` does, which would then raise this save's
+    error as its own. So the checkpointer itself is waited for too.
+    """
+    checkpointer = getattr(self._manager, "_checkpointer", None)
+    waits = [self._manager.wait_until_finished, self._manager.check_for_errors]
+    if hasattr(checkpointer, "wait_until_finished"):
+      waits.append(checkpointer.wait_until_finished)
     for _ in range(attempts):
       try:
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+        for wait in waits:
+          wait()
         return
       except Exception:  # pylint: disable=broad-except
         continue
