@@ -326,12 +326,20 @@ class CheckpointManager:
     Orbax's finalize thread can fail (on the write of the step's metadata) while the
     checkpointer's commit thread still runs; `CheckpointManager.check_for_errors` does not
     wait for that thread, only its next `save` does, which would then raise this save's
-    error as its own. So the checkpointer itself is waited for too.
+    error as its own. So the checkpointer itself is waited for too, and each of the save's
+    writes: the commit thread stops at the first failed write while the others still run
+    (one of them may recreate the temporary directory after its removal).
     """
     checkpointer = getattr(self._manager, "_checkpointer", None)
     waits = [self._manager.wait_until_finished, self._manager.check_for_errors]
     if hasattr(checkpointer, "wait_until_finished"):
       waits.append(checkpointer.wait_until_finished)
+    writes = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
+    for write in writes or ():
+      try:
+        write.result()
+      except Exception:  # pylint: disable=broad-except
+        pass
     for _ in range(attempts):
       try:
         for wait in waits:
