@@ -327,8 +327,9 @@ class CheckpointManager:
     checkpointer's commit thread still runs; `CheckpointManager.check_for_errors` does not
     wait for that thread, only its next `save` does, which would then raise this save's
     error as its own. So the checkpointer itself is waited for too, and each of the save's
-    writes: the commit thread stops at the first failed write while the others still run
-    (one of them may recreate the temporary directory after its removal).
+    writes (the commit thread stops at the first failed one while the others still run).
+    Some write still recreates the temporary directory after its removal now and then
+    (not located); `_remove_partials` at the next save, `wait` and `close` handles that.
     """
     checkpointer = getattr(self._manager, "_checkpointer", None)
     waits = [self._manager.wait_until_finished, self._manager.check_for_errors]
