@@ -363,11 +363,31 @@ def _placed_before(keys, K: int):
   `keys` (each (M, K)), ties by row (j < k). Pairwise comparison (K^2 per id) is cheaper
   than a sort along K on XLA:CPU; a candidate's place is its row's count."""
   kk = jnp.arange(K, dtype=jnp.int32)
-  before = kk[None, None, :] < kk[None, :, None]                           # (1, K, K) j < k
+  earlier = kk[None, None, :] < kk[None, :, None]                          # (1, K, K) j < k
+  if len(keys) == 1:   # one key: j before k iff v_j < v_k, or v_j <= v_k for j < k
+    a, b = keys[0][:, :, None], keys[0][:, None, :]                        # k, j
+    return jnp.where(earlier, b <= a, b < a)
+  before = earlier
   for v in reversed(keys):
     a, b = v[:, :, None], v[:, None, :]                                    # k, j
     before = (b < a) | ((b == a) & before)
   return before
+
+
+def _window_or(claimed, wseg):
+  """taken (M, K) bool: candidate k of the window is claimed by some distinct id of it. The
+  claims of a window's ids are disjoint (a row keys one id), so they travel as bit masks:
+  one uint32 word per 32 candidates, summed per window (a sum of disjoint bits is their
+  or): a segment sum of (M, ceil(K / 32)) words instead of a segment max of (M, K).
+    Example (K = 4): claims [0100] and [0001] in one window -> masks 2 + 8 = 10 -> both
+    ids read [0101]."""
+  M, K = claimed.shape
+  W = -(-K // 32)
+  bits = jnp.pad(claimed, ((0, 0), (0, 32 * W - K))).reshape(M, W, 32).astype(jnp.uint32)
+  masks = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=2, dtype=jnp.uint32)  # (M, W)
+  masks = jax.ops.segment_sum(masks, wseg, M, indices_are_sorted=True)[wseg]
+  unpacked = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # (M, W, 32)
+  return unpacked.reshape(M, 32 * W)[:, :K] > 0
 
 
 def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, update: bool,
@@ -388,9 +408,8 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   inv, d_lw, d_hi, d_lo, occ = _distinct(g, lw, rps // K, w)
   mine = d_lw != _BIG
   base = jnp.where(mine, d_lw * K, 0)                                      # local first row
-  slots = base[:, None] + jnp.arange(K, dtype=jnp.int32)                   # (M, K) local rows
-  m_hi, m_lo = st["map_hi"][slots], st["map_lo"][slots]                    # (M, K)
-  m_last, m_cnt = st["map_last"][slots], st["map_count"][slots]
+  win = lambda v: v.reshape(-1, K)[jnp.where(mine, d_lw, 0)]  # noqa: E731  (M, K) its window
+  m_hi, m_lo, m_last, m_cnt = (win(st[k]) for k in _MAP_ROWS)              # (M, K) each
   live = m_hi >= 0
   if t.ttl_steps:
     live = live & (step - m_last < t.ttl_steps)
@@ -410,13 +429,12 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
     dec = (nothing, d_hi, d_lo, occ, nothing)
     return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec
   wseg = _segments(d_lw)
-  claimed = (match | (own & back[:, None])).astype(jnp.int32)              # (M, K)
-  taken = jax.ops.segment_max(claimed, wseg, M, indices_are_sorted=True)[wseg]
+  taken = _window_or(match | (own & back[:, None]), wseg)                   # (M, K)
   miss = mine & ~hit & ~back
 
   ahead = jnp.cumsum(miss) - miss            # distinct ids in (window, fp, id) order:
   rank = ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]  # misses before
-  cls = jnp.where(taken > 0, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
+  cls = jnp.where(taken, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
   # the victim of the miss ranked i is the free candidate placed i
   place = jnp.sum(_placed_before(_victim_keys(t, cls, m_last, m_cnt), K), axis=2)  # (M, K)
   free = jnp.sum(cls < 3, axis=1)
@@ -464,7 +482,7 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   side), gathered over 'replica' (each owner sees its windows' ids of the whole batch),
   resolved table by table, rows sent back by one all_to_all of (S, sum C) along the same
   routes. `owned`: `_owners(plan, t, x)` per table. Returns [(rows (n,), counts, writes)]
-  per table, the writes padded to the broadcast path's shapes (`_pad_writes`).
+  per table, the writes (`_owner_resolve`'s) over the R S C slots resolved.
     Example (S = 2, tables u with C = 3 and v with C = 2): device 0 sends owner 1 the
     row [u0 u1 u2 v0 v1] of (hi, lo, count) triples (its runs padded with hi = -1); owner 1
     resolves slots [:, 0:3] against u's map and [:, 3:5] against v's."""
@@ -483,7 +501,7 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   for i, t in enumerate(ts):
     flat = every[:, :, offs[i]:offs[i + 1]].reshape(-1, 3)                 # (R S C, 3)
     row, counts, dec = _owner_resolve(plan, t, maps[i], flat[:, :2], step, update, flat[:, 2])
-    got.append((counts, _pad_writes(plan, t, dec, xs[i].shape[0])))
+    got.append((counts, dec))
     mine.append(row.reshape(-1, S, Cs[i])[jax.lax.axis_index("replica")])  # (S, C) my group's
   back = jax.lax.all_to_all(jnp.concatenate(mine, 1), "shard", 0, 0, tiled=True)  # my requests
   out = []
@@ -493,14 +511,6 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
     d_row = jnp.where(owner < S, back[o, offs[i] + jnp.clip(pos, 0, Cs[i] - 1)], -1)
     out.append((d_row[inv], *got[i]))
   return out
-
-
-def _pad_writes(plan, t, dec, n: int):
-  """An owner route's writes padded to the broadcast path's R S n slots (nothing written
-  there: row `rps` is dropped), so both can be the branches of one lax.cond."""
-  N, rps = plan.num_replicas * plan.num_shards * n, plan.buffers[plan.buffer_of[t.name]].local_rows
-  fill = (rps, 0, 0, 0, rps)
-  return tuple(jnp.pad(d, (0, N - d.shape[0]), constant_values=v) for d, v in zip(dec, fill))
 
 
 def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bool):
@@ -519,7 +529,7 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
-  return d_row[inv], counts, _pad_writes(plan, t, dec, n)
+  return d_row[inv], counts, dec
 
 
 def _by_owner(plan: EmbeddingPlan) -> bool:
@@ -534,20 +544,37 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
   return min(M, plan.num_shards * n) if plan.rw_exchange == "ragged" else min(C, n)
 
 
-def _route_all(plan: EmbeddingPlan, ts, maps, xs, step, update):
-  """One device: the maps and ids (n, 2) of tables `ts` -> [(rows (n,), local counts (7,),
-  writes)] per table.
+def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
+  """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
+  with the writes applied (unchanged unless `update`), [(rows (n,), local counts (7,))] per
+  table).
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
   in the mesh (one `pmax`: the same branch everywhere), then every table by broadcast
-  (`_route_broadcast`): both give the same rows and maps.
+  (`_route_broadcast`): both give the same rows and maps. The routes only read the maps and
+  return batch-sized writes, applied outside any lax.cond (XLA:CPU copied table-sized
+  buffers updated inside a cond branch whole). The broadcast fallback, whose writes span
+  the R S n ids of the global batch against the owner route's R S C, runs in a loop taken
+  once or never (`lax.while_loop` updates its carried buffers in place), so the common
+  step neither pads its writes to the fallback's size nor scans them.
   """
-  def broadcast(maps):
-    return [_route_broadcast(plan, t, m, x, step, update) for t, m, x in zip(ts, maps, xs)]
+  def maps_of(subs):
+    return [{k: sub[k] for k in _MAP_ROWS} for sub in subs]
+
+  def apply(subs, got):
+    if not update:
+      return subs
+    return [_apply_writes(plan, t, sub, dec, step, key, _write_width(dec[0].shape[0]))
+            for t, sub, (_, _, dec), key in zip(ts, subs, got, keys)]
+
+  def broadcast(subs):
+    got = [_route_broadcast(plan, t, m, x, step, update)
+           for t, m, x in zip(ts, maps_of(subs), xs)]
+    return apply(subs, got), [(r, c) for r, c, _ in got]
 
   if not _by_owner(plan):
-    return broadcast(maps)
+    return broadcast(subs)
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
@@ -562,16 +589,25 @@ def _route_all(plan: EmbeddingPlan, ts, maps, xs, step, update):
     return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
             for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
 
-  return jax.lax.cond(over, broadcast, by_owner, maps)
+  def nothing(maps):   # overflow: the fallback below resolves; same shapes, no writes
+    out = jax.eval_shape(by_owner, maps)
+    rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
+    return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
+             tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))))
+            for (r, c, dec), p in zip(out, rps)]
+
+  got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
+  subs, out = apply(subs, got), [(r, c) for r, c, _ in got]
+  _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
+                                    (over, subs, out))
+  return subs, out
 
 
-def _write_width(plan: EmbeddingPlan, t: TableConfig, x) -> int:
-  """Slots per chunk of `_apply_writes`: half the owner route's slots (usually one chunk:
-  the route's slots are sized with room over the distinct ids expected), 64 to 4,096."""
-  cap = _capacity(plan, t, x)                     # per owner (ragged) or per pair (a2a)
-  n = plan.num_replicas * plan.num_shards * x.shape[0]
-  slots = plan.num_replicas * (cap if plan.rw_exchange == "ragged" else plan.num_shards * cap)
-  return int(min(4096, max(64, min(slots, n) // 2)))
+def _write_width(slots: int) -> int:
+  """Writes per chunk of `_apply_writes` for a route of `slots` resolved ids: half of them
+  (usually one chunk: the owner route's slots are sized with room over the distinct ids
+  expected), 64 to 4,096."""
+  return int(min(4096, max(64, slots // 2)))
 
 
 def _chunks(valid, width: int, body, carry):
@@ -645,15 +681,10 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     new, rows, counters = {}, {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     ts = [plan.tables[t] for t in names]
-    # The routes only read the maps and return what to write (batch-sized): table-sized
-    # buffers updated inside a lax.cond branch were copied whole (XLA:CPU).
-    maps = [{k: sub[b][k] for k in _MAP_ROWS} for b in bufs]
-    got = _route_all(plan, ts, maps, xs, step, update)                     # [(rows, counts, dec)]
-    for i, t in enumerate(ts):
-      new[bufs[i]] = dict(sub[bufs[i]]) if not update else _apply_writes(
-          plan, t, sub[bufs[i]], got[i][2], step, jax.random.fold_in(key, i),
-          _write_width(plan, t, xs[i]))
-    allc = jax.lax.psum(jnp.stack([c for _, c, _ in got]), "shard")         # (tables, 7)
+    keys = [jax.random.fold_in(key, i) for i in range(len(ts))]
+    subs, got = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys, update)
+    new = dict(zip(bufs, subs))
+    allc = jax.lax.psum(jnp.stack([c for _, c in got]), "shard")            # (tables, 7)
     for i, t in enumerate(names):
       fs, r, c = feats[t], got[i][0], allc[i]
       if update:
