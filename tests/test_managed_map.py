@@ -164,6 +164,28 @@ def test_every_dedup_path_matches_reference(force, monkeypatch):
     _check(plan, state, host, rows, counters, ref, step)
 
 
+def test_owner_past_its_distinct_cap_redoes_the_step(monkeypatch):
+  """An owner of the padded route resolves at most `_distinct_cap` distinct ids; in a step
+  where some owner holds more, no write of the by-owner route lands and every table is
+  resolved again by broadcast: rows and maps still equal the reference's."""
+  cap = 3
+  monkeypatch.setattr(managed, "_distinct_cap", lambda plan, t, x: cap)
+  ref = RefMap(ROWS, K, "lru", 3)
+  plan = _plan(make_mesh(2, 4), "lru", 3)
+  rps = plan.buffers[plan.buffer_of["u"]].local_rows
+  state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
+  over = []
+  for step, host in enumerate(_stream(13, 6)):
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    state, rows, counters = step_fn(state, ids, step)
+    _check(plan, state, host, rows, counters, ref, step)
+    flat = np.unique(np.concatenate([host[f].ravel() for f in plan.features]))
+    pairs = managed.split_ids(flat[flat >= 0], "u", "u")
+    owner = managed.window_of(pairs[:, 0], pairs[:, 1], ROWS // K, xp=np) * K // rps
+    over.append(np.bincount(owner).max() > cap)
+  assert any(over)
+
+
 def test_fresh_rows_follow_the_initializer_per_row():
   """Fresh rows: the initializer's distribution, a function of (key, row) only."""
   t = TableConfig("u", rows=10_000, dim=64, id_policy="managed")

@@ -36,7 +36,10 @@ exchange (S, sum C, 3), C per (device, owner) from the plan
 statistics when the plan has them, else every id slot). With `rw_exchange='ragged'`
 (`_route_ragged`; the default on GPU/TPU) the runs travel by `ragged_all_to_all` into M
 slots per owner instead (M ~ distinct + 4 sqrt(distinct) of its group, flat in S, where
-S C grows with S), and the owner resolves M slots. Each owner all-gathers what its
+S C grows with S), and the owner resolves M slots. On the padded route the owner keeps
+R M of its R S C slots after deduplicating them (`_distinct_cap`: the same id from several
+requesters and the padding go), so its work past the one sort is flat in S there too.
+Each owner all-gathers what its
 replicas received over 'replica', so every copy of a map sees every id of its windows in
 the global batch, in the same order, and applies the same update without exchanging it.
 It resolves its windows (above) and the rows go back by the reverse exchange.
@@ -48,11 +51,14 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
 When some pair of some table has more than C distinct ids anywhere (ragged: some owner
-more than M; one `pmax`), the step takes the broadcast path for every table instead
+more than M; one `pmax`), or some owner more distinct ids than it keeps (a second `pmax`,
+after the route), the step is resolved by broadcast for every table instead
 (`_route_broadcast`, exact for any skew): the global batch's ids all-gathered, every
 owner resolves its windows, one `psum` over 'shard' gives every device the row of every
-id. Both paths give the same rows and maps (tested). One `pmax`
-(the overflow test) and one `psum` (the counters) serve all managed tables.
+id. It runs in a `while_loop` taken once or never, after the by-owner route's writes
+(none in such a step), so the common step carries no fallback-sized buffers. Both paths
+give the same rows and maps (tested). The two `pmax` and one `psum` (the counters) serve
+all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
@@ -391,13 +397,18 @@ def _window_or(claimed, wseg):
 
 
 def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, update: bool,
-                   w=None):
+                   w=None, cap: int | None = None):
   """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
   among them; `w` (M,): occurrences of each, default 1), read against its map `st` ->
   (global row per input position (M,), -1 for other owners' ids and ids left without a
   row; local counts (7,): ids, hits, inserts, evictions, expired, collisions, inserts
-  into empty rows; the writes (map rows (M,), rps = none, their hi, lo, count; rows to
-  re-initialise (M,), rps = none: `_apply_writes`)). No collective inside."""
+  into empty rows; the writes (map rows (D,), rps = none, their hi, lo, count; rows to
+  re-initialise (D,), rps = none: `_apply_writes`); fits). No collective inside.
+
+  After the deduplication only the first D = min(`cap`, M) distinct ids are resolved (a
+  padded route's M slots hold far fewer distinct ids: the same id from several requesters,
+  padding); `fits` (bool scalar) says they were all of them. Where it is False the results
+  are wrong and the caller resolves the step another way (`_resolve_all`)."""
   buf = plan.buffers[plan.buffer_of[t.name]]
   K, rps, windows = t.probe, buf.local_rows, t.rows // t.probe
   shard = jax.lax.axis_index("shard")
@@ -406,6 +417,9 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   lw = window_of(g[:, 0], jnp.where(valid, g[:, 1], 0), windows) - shard * (rps // K)
   lw = jnp.where(valid & (lw >= 0) & (lw < rps // K), lw, _BIG)          # (M,) local window
   inv, d_lw, d_hi, d_lo, occ = _distinct(g, lw, rps // K, w)
+  D = M if cap is None else min(cap, M)
+  fits = jnp.bool_(True) if D == M else d_lw[D] == _BIG    # distinct ids first, padding last
+  d_lw, d_hi, d_lo, occ = d_lw[:D], d_hi[:D], d_lo[:D], occ[:D]            # (D,) each
   mine = d_lw != _BIG
   base = jnp.where(mine, d_lw * K, 0)                                      # local first row
   win = lambda v: v.reshape(-1, K)[jnp.where(mine, d_lw, 0)]  # noqa: E731  (M, K) its window
@@ -425,15 +439,15 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
     return jnp.where(local >= 0, shard * rps + local, -1)[inv]
 
   if not update:
-    nothing = jnp.full((M,), rps, jnp.int32)
+    nothing = jnp.full((D,), rps, jnp.int32)
     dec = (nothing, d_hi, d_lo, occ, nothing)
-    return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec
+    return by_position(jnp.where(hit, base + hit_k, -1)), jnp.zeros((7,), jnp.int32), dec, fits
   wseg = _segments(d_lw)
   taken = _window_or(match | (own & back[:, None]), wseg)                   # (M, K)
   miss = mine & ~hit & ~back
 
   ahead = jnp.cumsum(miss) - miss            # distinct ids in (window, fp, id) order:
-  rank = ahead - jax.ops.segment_min(ahead, wseg, M, indices_are_sorted=True)[wseg]  # misses before
+  rank = ahead - jax.ops.segment_min(ahead, wseg, D, indices_are_sorted=True)[wseg]  # misses before
   cls = jnp.where(taken, 3, jnp.where(m_hi < 0, 0, jnp.where(live, 2, 1)))  # (M, K)
   # the victim of the miss ranked i is the free candidate placed i
   place = jnp.sum(_placed_before(_victim_keys(t, cls, m_last, m_cnt), K), axis=2)  # (M, K)
@@ -451,13 +465,13 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
       mine, hit, new, put & (vic_cls == 2), back | (put & (vic_cls == 1)), miss & ~put,
       put & (vic_cls == 0))])
-  return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset)
+  return by_position(local), counts, (upd, d_hi, d_lo, cnt, reset), fits
 
 
 def _route_broadcast(plan, t, st, x, step, update):
   """Every device resolves the whole global batch's ids of its windows (any skew)."""
   g = jax.lax.all_gather(x, BATCH, axis=0, tiled=True)                     # (N, 2) global
-  row, counts, dec = _owner_resolve(plan, t, st, g, step, update)
+  row, counts, dec, _ = _owner_resolve(plan, t, st, g, step, update)
   row = jax.lax.psum(row + 1, "shard") - 1                                 # (N,) one owner each
   n = x.shape[0]
   return jax.lax.dynamic_slice(row, (jax.lax.axis_index(BATCH) * n,), (n,)), counts, dec
@@ -500,8 +514,9 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   got, mine = [], []
   for i, t in enumerate(ts):
     flat = every[:, :, offs[i]:offs[i + 1]].reshape(-1, 3)                 # (R S C, 3)
-    row, counts, dec = _owner_resolve(plan, t, maps[i], flat[:, :2], step, update, flat[:, 2])
-    got.append((counts, dec))
+    row, counts, dec, fits = _owner_resolve(plan, t, maps[i], flat[:, :2], step, update,
+                                            flat[:, 2], _distinct_cap(plan, t, xs[i]))
+    got.append((counts, dec, fits))
     mine.append(row.reshape(-1, S, Cs[i])[jax.lax.axis_index("replica")])  # (S, C) my group's
   back = jax.lax.all_to_all(jnp.concatenate(mine, 1), "shard", 0, 0, tiled=True)  # my requests
   out = []
@@ -525,11 +540,21 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
   sent = jnp.stack([d_hi, d_lo, occ], -1)                                  # (n, 3) owner runs
   recv = ragged.to_owners(r, sent, -1, M, native)                          # (M, 3) hi -1: none
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=True)          # (R M, 3)
-  row, counts, dec = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2])
+  row, counts, dec, fits = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2])
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
-  return d_row[inv], counts, dec
+  return d_row[inv], counts, dec, fits
+
+
+def _distinct_cap(plan: EmbeddingPlan, t: TableConfig, x) -> int:
+  """Distinct ids an owner of the padded route (`_route_a2a`) resolves: its R S C slots
+  carry the same id from several requesters and padding, so it keeps R M of them after the
+  deduplication (M: the ragged route's ids per owner, `EmbeddingPlan.managed_capacity`, the
+  same bound with its head-room), all R S C when that is not fewer."""
+  C, M = plan.managed_capacity(t.name)
+  S = plan.num_shards
+  return plan.num_replicas * min(M, S * min(C, x.shape[0]))
 
 
 def _by_owner(plan: EmbeddingPlan) -> bool:
@@ -565,8 +590,8 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   def apply(subs, got):
     if not update:
       return subs
-    return [_apply_writes(plan, t, sub, dec, step, key, _write_width(dec[0].shape[0]))
-            for t, sub, (_, _, dec), key in zip(ts, subs, got, keys)]
+    return [_apply_writes(plan, t, sub, got_t[2], step, key, _write_width(got_t[2][0].shape[0]))
+            for t, sub, got_t, key in zip(ts, subs, got, keys)]
 
   def broadcast(subs):
     got = [_route_broadcast(plan, t, m, x, step, update)
@@ -593,13 +618,19 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     out = jax.eval_shape(by_owner, maps)
     rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
     return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
-             tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))))
-            for (r, c, dec), p in zip(out, rps)]
+             tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))),
+             jnp.bool_(True)) for (r, c, dec, _), p in zip(out, rps)]
 
   got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
+  # an owner with more distinct ids than it resolves (`_distinct_cap`): redo the step too
+  short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
+  redo = over | (jax.lax.pmax(short, BATCH) > 0)
+  rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
+  got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)))
+         for (r, c, (upd, hi, lo, cnt, reset), _), p in zip(got, rps)]
   subs, out = apply(subs, got), [(r, c) for r, c, _ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
-                                    (over, subs, out))
+                                    (redo, subs, out))
   return subs, out
 
 
