@@ -51,14 +51,14 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
 When some pair of some table has more than C distinct ids anywhere (ragged: some owner
-more than M; one `pmax`), or some owner more distinct ids than it keeps (a second `pmax`,
-after the route), the step is resolved by broadcast for every table instead
+more than M; one `pmax`), or some owner of the padded route more distinct ids than it
+keeps (a second `pmax`, after the route), the step is resolved by broadcast for every table instead
 (`_route_broadcast`, exact for any skew): the global batch's ids all-gathered, every
 owner resolves its windows, one `psum` over 'shard' gives every device the row of every
 id. It runs in a `while_loop` taken once or never, after the by-owner route's writes
 (none in such a step), so the common step carries no fallback-sized buffers. Both paths
-give the same rows and maps (tested). The two `pmax` and one `psum` (the counters) serve
-all managed tables.
+give the same rows and maps (tested). The `pmax` (two on the padded route) and one `psum`
+(the counters) serve all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
@@ -614,21 +614,22 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
             for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
 
+  rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
+
   def nothing(maps):   # overflow: the fallback below resolves; same shapes, no writes
     out = jax.eval_shape(by_owner, maps)
-    rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
     return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
              tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))),
              jnp.bool_(True)) for (r, c, dec, _), p in zip(out, rps)]
 
   got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
-  # an owner with more distinct ids than it resolves (`_distinct_cap`): redo the step too
-  short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
-  redo = over | (jax.lax.pmax(short, BATCH) > 0)
-  rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
-  got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)))
-         for (r, c, (upd, hi, lo, cnt, reset), _), p in zip(got, rps)]
-  subs, out = apply(subs, got), [(r, c) for r, c, _ in got]
+  redo = over
+  if plan.rw_exchange != "ragged":   # an owner past its `_distinct_cap`: redo the step too
+    short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
+    redo = over | (jax.lax.pmax(short, BATCH) > 0)
+    got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
+           for (r, c, (upd, hi, lo, cnt, reset), f), p in zip(got, rps)]
+  subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
                                     (redo, subs, out))
   return subs, out
@@ -709,7 +710,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   key = jax.random.fold_in(jax.random.key(0) if key is None else key, step)
 
   def body(sub, raw, step, key):
-    new, rows, counters = {}, {}, {}
+    rows, counters = {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     ts = [plan.tables[t] for t in names]
     keys = [jax.random.fold_in(key, i) for i in range(len(ts))]
