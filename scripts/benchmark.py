@@ -59,6 +59,9 @@ def parse_args(argv=None):
                  help="time every dot of the dense part alone: the MFU its shapes allow "
                       "(one device; gem_jax/bench/matmul_ceiling.py)")
   p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
+  p.add_argument("--trace", default=None, metavar="DIR",
+                 help="after the timing, a jax.profiler trace of 3 more steps into DIR and "
+                      "the top ops by time (JSON: trace_top, trace_by_kind)")
   p.add_argument("--peer-threads", type=int, default=2)
   p.add_argument("--peer-python", default=None,
                  help="TorchRec venv python (default $GEM_JAX_TORCHREC_PYTHON, else "
@@ -110,6 +113,7 @@ def main(argv=None):
   from gem_jax.bench import peer as peer_lib  # pylint: disable=import-outside-toplevel
   from gem_jax.bench import report_table  # pylint: disable=import-outside-toplevel
   from gem_jax.bench import runner  # pylint: disable=import-outside-toplevel
+  from gem_jax.bench import trace_summary  # pylint: disable=import-outside-toplevel
 
   n = args.devices or (1 if jax.default_backend() == "cpu" else jax.device_count())
   if args.matmul_ceiling and n != 1:
@@ -119,7 +123,7 @@ def main(argv=None):
                              input=args.input,
                              cache_dir=args.cache_dir, warm_compile=not args.no_warm_compile,
                              dense_part=not args.no_dense_part, dump_hlo=args.dump_hlo,
-                             matmul_ceiling=args.matmul_ceiling)
+                             matmul_ceiling=args.matmul_ceiling, trace_dir=args.trace)
   rows = []
 
   def emit(row):
@@ -137,6 +141,8 @@ def main(argv=None):
     res["repeat"] = r
     emit(res)
     print(report_table.format_run(res), file=sys.stderr, flush=True)
+    if res.get("trace_top"):
+      print(trace_summary.format_top(res["trace_top"]), file=sys.stderr, flush=True)
     if res.get("matmul_top"):
       print(report_table.format_matmuls(res["matmul_top"]), file=sys.stderr, flush=True)
     if args.peer:

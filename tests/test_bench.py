@@ -349,4 +349,18 @@ def test_loss_check_compare_and_bench_lines(tmp_path):
                               "fp8": True, "warmup_losses": [0.7, 0.6, 0.5]}) + "\n"
                   + json.dumps({"framework": "torchrec", "examples_per_s": 1.0}) + "\n")
   runs = loss_check.load_runs(str(path))
-  assert runs == [{"label": "gpu bfloat16 fp8", "losses": [0.7, 0.6, 0.5], "fp8": True}]
+  assert runs == [{"label": "gpu bfloat16 fp8", "losses": [0.7, 0.6, 0.5], "fp8": True,
+                   "config": None}]
+
+
+def test_loss_check_compares_only_the_reference_config(tmp_path, capsys):
+  from gem_jax.bench import loss_check  # pylint: disable=import-outside-toplevel
+  ref = tmp_path / "cpu.json"
+  ref.write_text(json.dumps({"label": "cpu", "config": "medium", "losses": [0.70, 0.65]}))
+  bench = tmp_path / "bench.jsonl"
+  line = {"framework": "gem_jax", "backend": "gpu", "dtype": "bfloat16", "fp8": False}
+  bench.write_text(json.dumps({**line, "config": "medium", "warmup_losses": [0.70, 0.66]}) + "\n"
+                   + json.dumps({**line, "config": "gem_xl", "warmup_losses": [0.9, 0.9]}))
+  assert loss_check.main(["--compare", str(ref), str(bench), "--atol", "0.02"]) == 0
+  out = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+  assert len(out) == 1 and out[0]["ok"]   # gem_xl's losses are not checked against medium's

@@ -1,6 +1,6 @@
 """The import graph of gem_jax/ and scripts/: the README's layering and no import circle.
 
-  data, embedding, hostmem -> parallel -> layers -> models -> flops -> train
+  vma -> data, embedding, hostmem -> parallel -> layers -> models -> flops -> train
   -> transfer, bench -> scripts
 
 A module may import from its own package and from packages below it, never from
@@ -14,12 +14,13 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Package (or top-level module) -> level. gem_jax/hostmem.py imports nothing of
-# gem_jax (it sits at the bottom); gem_jax/flops.py counts the models' FLOPs from
+# Package (or top-level module) -> level. gem_jax/vma.py (shard_map typing helpers, used by
+# embedding) and gem_jax/hostmem.py import nothing of gem_jax (they sit at the bottom);
+# gem_jax/flops.py counts the models' FLOPs from
 # their configs and layer shapes (it reads models/ and layers/: just above models;
 # no model imports it).
-LEVELS = {"data": 0, "embedding": 0, "hostmem": 0, "parallel": 1, "layers": 2, "models": 3,
-          "flops": 4, "train": 5, "transfer": 6, "bench": 6, "serving": 6, "scripts": 7}
+LEVELS = {"vma": -1, "data": 0, "embedding": 0, "hostmem": 0, "parallel": 1, "layers": 2,
+          "models": 3, "flops": 4, "train": 5, "transfer": 6, "bench": 6, "serving": 6, "scripts": 7}
 
 # (importer package, imported package) pairs allowed against the rule, with the reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {}

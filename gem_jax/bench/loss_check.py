@@ -61,7 +61,7 @@ def load_runs(path: str) -> list[dict]:
         runs.append(r)
       elif r.get("framework") == "gem_jax" and r.get("warmup_losses"):
         runs.append({"label": f"{r['backend']} {r['dtype']}{' fp8' if r['fp8'] else ''}",
-                     "losses": r["warmup_losses"], "fp8": r["fp8"]})
+                     "losses": r["warmup_losses"], "fp8": r["fp8"], "config": r.get("config")})
   return runs
 
 
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
       ref = json.load(f)
     ok = True
     for run in load_runs(args.compare[1]):
+      if ref.get("config") and run.get("config") and run["config"] != ref["config"]:
+        continue   # another config's run (a benchmark JSONL holds several)
       tol = args.atol_fp8 if run.get("fp8") and args.atol_fp8 is not None else args.atol
       res = compare(ref, run, tol)
       print(json.dumps(res))
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
   losses = run_losses(config, args.steps)
   out = {"label": args.label or f"{jax.default_backend()} {config.model.dtype}"
                                  f"{' fp8' if config.model.fp8 else ''}",
+         "config": os.path.basename(args.config).removesuffix(".py"),
          "backend": jax.default_backend(), "dtype": config.model.dtype,
          "fp8": bool(config.model.fp8), "batch_size": config.data.batch_size,
          "losses": losses, "wall_s": time.perf_counter() - t0}

@@ -38,6 +38,7 @@ import importlib.util
 import math
 import os
 import platform
+import sys
 import tempfile
 import time
 from typing import Any
@@ -50,6 +51,7 @@ from gem_jax import hostmem
 from gem_jax import embedding as emb_lib
 from gem_jax.bench import matmul_ceiling
 from gem_jax.bench import timing
+from gem_jax.bench import trace_summary
 from gem_jax.data import device_synthetic
 from gem_jax.data import pipeline
 from gem_jax.train import report
@@ -228,6 +230,8 @@ class BenchOptions:
   dense_part: bool = True
   dump_hlo: str | None = None      # write the optimized HLO text of the step here
   matmul_ceiling: bool = False     # time the dense part's dots alone (bound on dense MFU)
+  trace_dir: str | None = None     # jax.profiler trace of `trace_steps` more steps, summarised
+  trace_steps: int = 3
 
 
 def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -> dict[str, Any]:
@@ -239,8 +243,14 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
 
   if opts.input not in INPUTS:
     raise ValueError(f"input {opts.input!r}: expected one of {INPUTS}")
+  t_start = time.perf_counter()
+
+  def progress(what):   # stderr, so a run cut short by a time limit shows where it was
+    print(f"[bench {time.perf_counter() - t_start:7.1f}s] {what}", file=sys.stderr, flush=True)
+
   s = setup_lib.setup(config)
   state = setup_lib.init_state(s, config.seed)
+  progress("state initialised")
   on_device = opts.input == "device"
   # device input: host batches only for the warm-up steps (the loss check's reference)
   batches = device_batches(s, config, max(1, min(opts.pool, opts.warmup)) if on_device
@@ -248,7 +258,9 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
   batch_sh = jax.tree.map(lambda x: x.sharding, batches[0])
   gen = device_input(s, config, batches[0]) if on_device else None
   jitted = step_lib.jit_train_step(s.step_cfg, s.shardings, batch_sh)
+  progress("input ready; compiling the step")
   compiled, cold = report.timed_compile(jitted, state, batches[0])
+  progress(f"compiled (lower {cold.lower_s:.1f} s, compile {cold.compile_s:.1f} s)")
   warm = None
   if opts.warm_compile:
     jax.clear_caches()
@@ -281,6 +293,7 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     out = one(i)
     warmup_losses.append(float(jax.block_until_ready(out)[1]["train_loss"]))
   losses.append(warmup_losses[0] if warmup_losses else float("nan"))
+  progress(f"warm-up losses {warmup_losses}; timing {opts.steps} steps")
   w, k = opts.warmup, opts.steps   # device input keys: timed w.., pipelined w+k.., alone w+2k..
   meter = timing.CpuMeter()
   times = timing.time_steps(lambda i: one(w + i, w + i), k, jax.block_until_ready)
@@ -334,6 +347,15 @@ def run_benchmark(config, opts: BenchOptions = BenchOptions(), name: str = "") -
     result["mfu_vs_bf16_peak"] = report.mfu(flops, eps, n_dev,
                                             report.peak_flops_per_device(None, "bfloat16"))
 
+  if opts.trace_dir:   # after the timing, so the profiler's overhead is in no figure
+    with trace_summary.capture(opts.trace_dir):
+      for i in range(opts.trace_steps):
+        out = one(i, w + 4 * k + i)   # keys past the dense part's
+      jax.block_until_ready(out)
+    ops = trace_summary.summarize(opts.trace_dir, opts.trace_steps)
+    result["trace_top"] = ops[:15]
+    result["trace_by_kind"] = trace_summary.by_kind(ops)
+    result["trace_busy_ms_per_step"] = sum(r["ms_per_step"] for r in ops)
   if opts.dense_part:
     result.update(_dense_part(s, config, state, batch_at, opts, flops, n_dev,
                               peak["peak_flops_per_device"]))

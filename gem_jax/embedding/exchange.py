@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gem_jax.embedding import managed, ragged
+from gem_jax import vma
 from gem_jax.embedding.optimizers import distinct_rows
 from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
 
@@ -208,7 +209,7 @@ def rw_overflow(plan, ids_by_unit):
     local = [jnp.any(totals[i] > plan.recv_capacity(plan.units[n])) for i, n in enumerate(names)]
   else:                              # each (source, owner) pair against C
     local = [jnp.any(c > plan.capacity(plan.units[n])) for c, n in zip(counts, names)]
-  over = jax.lax.pmax(jnp.stack(local).astype(jnp.int32), ("replica", "shard")) > 0
+  over = vma.pmax(jnp.stack(local).astype(jnp.int32), ("replica", "shard")) > 0
   if plan.rw_exchange == "broadcast":
     over = jnp.ones_like(over)
   return {name: over[i] for i, name in enumerate(names)}

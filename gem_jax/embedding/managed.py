@@ -91,6 +91,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gem_jax.embedding import ragged
+from gem_jax import vma
 from gem_jax.embedding.config import TableConfig
 from gem_jax.embedding.plan import BATCH, MAP_LEAVES, EmbeddingPlan
 
@@ -605,7 +606,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
   if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
     runs = jax.lax.psum(runs, "shard")
-  over = jax.lax.pmax(jnp.any(runs > jnp.asarray(caps)[:, None]).astype(jnp.int32), BATCH) > 0
+  over = vma.pmax(jnp.any(runs > jnp.asarray(caps)[:, None]).astype(jnp.int32), BATCH) > 0
 
   def by_owner(maps):
     if plan.rw_exchange != "ragged":
@@ -626,7 +627,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   redo = over
   if plan.rw_exchange != "ragged":   # an owner past its `_distinct_cap`: redo the step too
     short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
-    redo = over | (jax.lax.pmax(short, BATCH) > 0)
+    redo = over | (vma.pmax(short, BATCH) > 0)
     got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
            for (r, c, (upd, hi, lo, cnt, reset), f), p in zip(got, rps)]
   subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]

@@ -33,6 +33,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gem_jax import vma
+
 NATIVE_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")   # backends with ragged-all-to-all
 
 
@@ -91,22 +93,13 @@ def _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output
   return output.at[pos.reshape(-1)].set(flat, mode="drop")
 
 
-def _varying_axes(x) -> set:
-  """The shard_map axes along which x varies (its type's vma; `.mat` in jax 0.10)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
-
-
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                       *, axis_name: str, native: bool, max_send: int):
   """`jax.lax.ragged_all_to_all` where the backend has it (`native`), else the padded
   equivalent with slices of at most `max_send` rows. Same arguments, same result."""
   if native:
     # inside shard_map the result takes `output`'s varying axes: give it the operand's
-    missing = tuple(sorted(_varying_axes(operand) - _varying_axes(output)))
-    if missing:
-      output = jax.lax.pcast(output, missing, to="varying")
+    output = vma.to_varying(output, sorted(vma.varying_axes(operand)))
     return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
                                      output_offsets, recv_sizes, axis_name=axis_name)
   return _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
