@@ -1,9 +1,11 @@
-# One H200: `medium` GEM in bf16 and with fp8, loss checked against CPU, MFU printed; then the
-# GEM-class preset `gem_xl` in bf16.
+# One H200: the managed-collision vs hashed embedding step at 10^5-10^8 rows; `medium` GEM in bf16
+# and with fp8, loss checked against CPU, MFU and the top ops printed; the GEM-class preset
+# `gem_xl` in bf16.
 #
-#   bash scripts/gpu_bench.sh                 # on the GPU machine, from the repository root
+#   STAGES="medium xl" bash scripts/gpu_bench.sh   # on the GPU machine, from the repository root
 #     (no network there: carry the wheels it lacks in .whl/, made here with
-#      pip download --no-deps -d .whl ml_collections tensorboardX)
+#      pip download --no-deps -d .whl ml_collections tensorboardX; never flax: the image's
+#      flax matches its jax, and flax 0.12.8 does not import on jax 0.11.2)
 #   GEM_JAX_PYTHON=.venv/bin/python bash scripts/gpu_bench.sh --cpu-smoke   # rehearsal on CPU
 #
 # Budget, as measured on one H200 (2026-12-04, jax 0.11.2): the embedding stage ~100 s;
