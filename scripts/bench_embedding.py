@@ -90,9 +90,11 @@ def make_step(plan, frozen=None, freeze_by="drop"):
     return sum(jnp.sum(e * e) for e in emb.values()) / plan.batch_size
 
   def step(state, ids, t):
+    known = {}
     if plan.managed_tables():   # raw ids -> rows through the maps (managed.py), step t
-      state, ids, _ = managed.resolve(plan, state, ids, t, jax.random.key(1))
-    rows, ctx = gather_rows(plan, state, ids)
+      state, ids, _, known = managed.resolve(plan, state, ids, t, jax.random.key(1),
+                                             distinct=True)
+    rows, ctx = gather_rows(plan, state, ids, known)
     loss, g = jax.value_and_grad(loss_fn)(rows, ctx)
     if frozen and freeze_by == "select":
       return keep_frozen_rows(apply_sparse_updates(plan, state, ctx, g), state, frozen), loss

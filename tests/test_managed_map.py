@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_mesh
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig, export_state,
-                               gather_rows, import_state, init_embedding_state, managed,
+                               gather_rows, id_stats, import_state, init_embedding_state, managed,
                                normal_init, plan_embeddings, pool_rows, prepare_ids,
                                apply_sparse_updates)
 from managed_reference import RefMap
@@ -30,11 +30,14 @@ def _plan(mesh, eviction, ttl, exchange="a2a", distinct=1.0):
                          distinct_share={"u": distinct, "u_hist": distinct})
 
 
-def _step_fn(plan):
+def _step_fn(plan, distinct=True, f=lambda e: e):
+  """The trainer's step on managed tables: resolve, lookup (by default with the resolve's
+  distinct rows, as the trainer does), loss sum(f(embeddings)), the sparse update."""
   def step(state, ids, step):
-    state, rows, counters = managed.resolve(plan, state, ids, step, jax.random.key(7))
-    r, ctx = gather_rows(plan, state, rows)
-    loss = lambda r: sum(jnp.sum(e) for e in pool_rows(plan, r, ctx).values())  # noqa: E731
+    state, rows, counters, known = managed.resolve(plan, state, ids, step, jax.random.key(7),
+                                                   distinct=True)
+    r, ctx = gather_rows(plan, state, rows, known if distinct else None)
+    loss = lambda r: sum(jnp.sum(f(e)) for e in pool_rows(plan, r, ctx).values())  # noqa: E731
     g = jax.grad(loss)(r)
     return apply_sparse_updates(plan, state, ctx, g), rows, counters
   return jax.jit(step, donate_argnums=0)
@@ -164,14 +167,15 @@ def test_every_dedup_path_matches_reference(force, monkeypatch):
     _check(plan, state, host, rows, counters, ref, step)
 
 
-def test_owner_past_its_distinct_cap_redoes_the_step(monkeypatch):
-  """An owner of the padded route resolves at most `_distinct_cap` distinct ids; in a step
-  where some owner holds more, no write of the by-owner route lands and every table is
-  resolved again by broadcast: rows and maps still equal the reference's."""
+@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
+def test_owner_past_its_distinct_cap_redoes_the_step(exchange, monkeypatch):
+  """An owner resolves at most `_distinct_cap` distinct ids (either route); in a step where
+  some owner holds more, no write of the by-owner route lands and every table is resolved
+  again by broadcast: rows and maps still equal the reference's."""
   cap = 3
   monkeypatch.setattr(managed, "_distinct_cap", lambda plan, t, x: cap)
   ref = RefMap(ROWS, K, "lru", 3)
-  plan = _plan(make_mesh(2, 4), "lru", 3)
+  plan = _plan(make_mesh(2, 4), "lru", 3, exchange)
   rps = plan.buffers[plan.buffer_of["u"]].local_rows
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
   over = []
@@ -184,6 +188,64 @@ def test_owner_past_its_distinct_cap_redoes_the_step(monkeypatch):
     owner = managed.window_of(pairs[:, 0], pairs[:, 1], ROWS // K, xp=np) * K // rps
     over.append(np.bincount(owner).max() > cap)
   assert any(over)
+
+
+def test_id_stats_of_a_managed_table_count_raw_ids_and_cap_the_owners():
+  """Id statistics count a managed table's distinct raw ids (not rows hashed into it: a small
+  table merges them), per device and per global batch; the owner's cap (`_distinct_cap`)
+  follows the batch's distinct ids, holds every owner's distinct ids of a stream planned
+  from its own statistics, and the stream still matches the reference."""
+  t = TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K, eviction="lru")
+  feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("u_hist", "u", bag=3, pooling="none")]
+  stream = _stream(17, 6)
+  st = id_stats([t], feats, stream, num_devices=8, num_shards=4)
+  want = max(np.unique(h["u"][h["u"] >= 0]).size / h["u"].size for h in stream)
+  assert st["u"].batch_distinct_share == pytest.approx(want)
+  per_dev = np.mean([np.unique(d[d >= 0]).size / d.size for h in stream
+                     for d in np.split(h["u"], 8)])
+  assert st["u"].distinct_share == pytest.approx(per_dev)
+  distinct = np.arange(B * 2, dtype=np.int64).reshape(B, 2) * 7919 + 1   # 32 ids, 64 rows
+  many = id_stats([t], feats[:1], [{"u": distinct}], num_devices=8, num_shards=4)["u"]
+  assert many.batch_distinct_share == 1.0 and many.distinct_share == 1.0  # not hashed
+
+  plan = plan_embeddings([t], feats, make_mesh(2, 4), B, rw_exchange="a2a", id_stats=st,
+                         optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1))
+  x = jnp.zeros((B // 8 * 5, 2), jnp.int32)                               # one device's ids
+  cap = managed._distinct_cap(plan, t, x)
+  assert cap < managed._distinct_cap(_plan(make_mesh(2, 4), "lru", 0), t, x)
+  rps = plan.buffers[plan.buffer_of["u"]].local_rows
+  ref = RefMap(ROWS, K, "lru", 0)
+  state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
+  for step, host in enumerate(stream):
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    state, rows, counters = step_fn(state, ids, step)
+    _check(plan, state, host, rows, counters, ref, step)
+    flat = np.unique(np.concatenate([host[f].ravel() for f in plan.features]))
+    pairs = managed.split_ids(flat[flat >= 0], "u", "u")
+    owner = managed.window_of(pairs[:, 0], pairs[:, 1], ROWS // K, xp=np) * K // rps
+    assert np.bincount(owner).max() <= cap                                # no redo needed
+
+
+@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
+def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange):
+  """`gather_rows` with the resolve's distinct rows (no sort, owner order) gives the same
+  embeddings, gradients and updated tables, bit for bit, as with its own deduplication
+  (`rw_distinct`), over a stream with inserts, evictions and ids left without a row."""
+  plan = _plan(make_mesh(2, 4), "lru", 0, exchange)
+  f = lambda e: e * jnp.cos(e)  # noqa: E731  (a gradient that differs per row)
+  fast, slow = _step_fn(plan, f=f), _step_fn(plan, distinct=False, f=f)
+  a, b = (init_embedding_state(plan, jax.random.key(0)) for _ in range(2))
+  collisions = 0
+  for step, host in enumerate(_stream(19, 6)):
+    ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
+    a, rows_a, counters = fast(a, ids, step)
+    b, rows_b, _ = slow(b, ids, step)
+    collisions += int(counters["u"]["collisions"])
+    assert all(np.array_equal(rows_a[f], rows_b[f]) for f in rows_a)
+    for buf in a:
+      for k in a[buf]:
+        np.testing.assert_array_equal(np.asarray(a[buf][k]), np.asarray(b[buf][k]), err_msg=k)
+  assert collisions > 0
 
 
 def test_fresh_rows_follow_the_initializer_per_row():

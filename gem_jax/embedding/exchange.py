@@ -282,7 +282,7 @@ def _unique(idx, dedup: bool = True):
   return uniq, inv.reshape(idx.shape)
 
 
-def gather_rows(plan: EmbeddingPlan, state, ids):
+def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
   """ids -> owners -> deduplicated local gather. Call inside or outside jit.
 
   For units with `dedup` (owners holding large tables, see the planner), each
@@ -296,6 +296,9 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
     state: the embedding state (only the 'weight' leaves are read).
     ids: {feature: int32 (B, bag)} from `prepare_ids`, -1 = padding, sharded
       like `plan.ids_shardings()`.
+    distinct: optional {feature: (uniq, inverse)} of row-wise features whose distinct
+      rows are known already (`managed.resolve(..., distinct=True)`): used instead of
+      `rw_distinct` (uniq need not be ascending, only grouped by owner, NO_ROW last).
   Returns:
     rows: {unit: (R, S, n, D_local)}, the rows each device gathered (n = the
       unit's id slots per device, zero rows at padding): the differentiable leaf;
@@ -310,10 +313,12 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   mean_feats = [f for f, c in plan.features.items() if c.pooling == "mean"]
 
   rw_units = [n for n, u in plan.units.items() if u.kind == "row_wise"]
+  distinct = {f: d for f, d in (distinct or {}).items() if f"row_wise.{f}" in rw_units}
 
-  def body(weights, ids):
+  def body(weights, ids, known):
     rows, uniq_rows, inverse = {}, {}, {}
-    rw = {name: rw_distinct(ids[plan.units[name].features[0]]) for name in rw_units}
+    feat = {name: plan.units[name].features[0] for name in rw_units}
+    rw = {name: known[f] if f in known else rw_distinct(ids[f]) for name, f in feat.items()}
     over = rw_overflow(plan, {name: uniq for name, (uniq, _) in rw.items()})
     for name, u in plan.units.items():
       if u.kind == "row_wise":
@@ -341,8 +346,10 @@ def gather_rows(plan: EmbeddingPlan, state, ids):
   out_specs = (per_unit, {"row": per_unit, "inv": per_unit,
                           "count": {f: P(BATCH) for f in mean_feats},
                           "overflow": {n: DEV for n in rw_units}})
-  fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs), out_specs=out_specs)
-  return fn(weights_in, {f: ids[f] for f in plan.features})
+  known_specs = {f: (P(BATCH), P(BATCH, None)) for f in distinct}
+  fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs, known_specs),
+                     out_specs=out_specs)
+  return fn(weights_in, {f: ids[f] for f in plan.features}, distinct)
 
 
 def pool_rows(plan: EmbeddingPlan, rows, ctx, weights=None):

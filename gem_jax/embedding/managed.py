@@ -36,9 +36,11 @@ exchange (S, sum C, 3), C per (device, owner) from the plan
 statistics when the plan has them, else every id slot). With `rw_exchange='ragged'`
 (`_route_ragged`; the default on GPU/TPU) the runs travel by `ragged_all_to_all` into M
 slots per owner instead (M ~ distinct + 4 sqrt(distinct) of its group, flat in S, where
-S C grows with S), and the owner resolves M slots. On the padded route the owner keeps
-R M of its R S C slots after deduplicating them (`_distinct_cap`: the same id from several
-requesters and the padding go), so its work past the one sort is flat in S there too.
+S C grows with S), and the owner resolves M slots. On the padded route the owner keeps,
+of its R S C slots deduplicated (the same id from several requesters and the padding go),
+as many as the global batch's distinct ids of its windows need (`_distinct_cap`: from the
+id statistics' distinct ids per batch, else R M), so its work past the one sort is flat in S
+there too and follows the batch's real distinct ids.
 Each owner all-gathers what its
 replicas received over 'replica', so every copy of a map sees every id of its windows in
 the global batch, in the same order, and applies the same update without exchanging it.
@@ -51,13 +53,13 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
 When some pair of some table has more than C distinct ids anywhere (ragged: some owner
-more than M; one `pmax`), or some owner of the padded route more distinct ids than it
-keeps (a second `pmax`, after the route), the step is resolved by broadcast for every table instead
-(`_route_broadcast`, exact for any skew): the global batch's ids all-gathered, every
-owner resolves its windows, one `psum` over 'shard' gives every device the row of every
-id. It runs in a `while_loop` taken once or never, after the by-owner route's writes
+more than M; one `pmax`), or some owner more distinct ids than it keeps (a second
+`pmax`, after the route, when some table's cap is below its slots), the step is resolved
+by broadcast for every table instead (`_route_broadcast`, exact for any skew): the global
+batch's ids all-gathered, every owner resolves its windows, one `psum` over 'shard' gives
+every device the row of every id. It runs in a `while_loop` taken once or never, after the by-owner route's writes
 (none in such a step), so the common step carries no fallback-sized buffers. Both paths
-give the same rows and maps (tested). The `pmax` (two on the padded route) and one `psum`
+give the same rows and maps (tested). The `pmax` (or two) and one `psum`
 (the counters) serve all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
@@ -541,7 +543,8 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
   sent = jnp.stack([d_hi, d_lo, occ], -1)                                  # (n, 3) owner runs
   recv = ragged.to_owners(r, sent, -1, M, native)                          # (M, 3) hi -1: none
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=True)          # (R M, 3)
-  row, counts, dec, fits = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2])
+  row, counts, dec, fits = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2],
+                                          _distinct_cap(plan, t, x))
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
@@ -549,13 +552,15 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
 
 
 def _distinct_cap(plan: EmbeddingPlan, t: TableConfig, x) -> int:
-  """Distinct ids an owner of the padded route (`_route_a2a`) resolves: its R S C slots
-  carry the same id from several requesters and padding, so it keeps R M of them after the
-  deduplication (M: the ragged route's ids per owner, `EmbeddingPlan.managed_capacity`, the
-  same bound with its head-room), all R S C when that is not fewer."""
+  """Distinct ids an owner resolves (`_owner_resolve`'s cap): its R S C (padded) or R M
+  (ragged) slots carry the same id from several requesters and padding, so it keeps what
+  the global batch's distinct ids of its windows need (`EmbeddingPlan.managed_owner_distinct`,
+  from the id statistics), at most R M (M: the ragged route's ids per owner,
+  `EmbeddingPlan.managed_capacity`) and at most all of its slots."""
   C, M = plan.managed_capacity(t.name)
-  S = plan.num_shards
-  return plan.num_replicas * min(M, S * min(C, x.shape[0]))
+  S, n = plan.num_shards, x.shape[0]
+  per_owner = min(M, S * n) if plan.rw_exchange == "ragged" else min(M, S * min(C, n))
+  return min(plan.managed_owner_distinct(t.name), plan.num_replicas * per_owner)
 
 
 def _by_owner(plan: EmbeddingPlan) -> bool:
@@ -573,7 +578,8 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
 def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
   with the writes applied (unchanged unless `update`), [(rows (n,), local counts (7,))] per
-  table).
+  table, [the requester's distinct index of each id (n,) (`_owners`)] per table or None
+  when no route deduplicates by owner).
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
@@ -600,7 +606,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     return apply(subs, got), [(r, c) for r, c, _ in got]
 
   if not _by_owner(plan):
-    return broadcast(subs)
+    return (*broadcast(subs), None)
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
@@ -625,7 +631,10 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
 
   got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
   redo = over
-  if plan.rw_exchange != "ragged":   # an owner past its `_distinct_cap`: redo the step too
+  slots = [plan.num_replicas * (c if plan.rw_exchange == "ragged" else plan.num_shards * c)
+           for c in caps]                                                  # per owner
+  if any(_distinct_cap(plan, t, x) < k for t, x, k in zip(ts, xs, slots)):
+    # an owner past its `_distinct_cap`: redo the step too
     short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
     redo = over | (vma.pmax(short, BATCH) > 0)
     got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
@@ -633,7 +642,28 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
                                     (redo, subs, out))
-  return subs, out
+  return subs, out, [inv for (inv, *_), _ in owned]
+
+
+def _feature_distinct(rows, inv, start: int, size: int):
+  """One feature's distinct rows from its table's resolved ids, for `gather_rows` (what
+  `exchange.rw_distinct` gives, without its sorts). rows (n,): global row of each of the
+  table's id slots on this device (-1: none), inv (n,): each slot's distinct id (`_owners`,
+  grouped by owner), the feature's slots [start, start + size) -> (uniq (size,): the rows
+  of the feature's distinct ids in owner order (a row keys one id, so they are distinct
+  rows; not ascending within an owner, which the row-wise routes do not need), `_BIG`
+  (`exchange.NO_ROW`) padded; the position in uniq of each of its slots (size,)).
+    Example: rows [9, 2, 9, -1], inv [0, 1, 0, 2], one feature: distinct rows [9, 2, -1]
+    -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2]."""
+  n = rows.shape[0]
+  mine = inv[start:start + size]                                           # (size,)
+  d_row = jnp.full((n,), -1, jnp.int32).at[inv].set(rows)                  # (n,) per distinct id
+  used = jnp.zeros((n,), bool).at[mine].set(True) & (d_row >= 0)
+  pos = (jnp.cumsum(used) - 1).astype(jnp.int32)                           # place in uniq
+  uniq = jnp.full((size,), _BIG, jnp.int32).at[jnp.where(used, pos, size)].set(
+      d_row, mode="drop")
+  none = jnp.minimum(pos[-1] + 1, size - 1)    # the first padding slot (exists if any is used)
+  return uniq, jnp.where(used, pos, none)[mine]
 
 
 def _write_width(slots: int) -> int:
@@ -686,7 +716,8 @@ def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key,
   return {**st, **_chunks(upd != rps, width, write, {k: st[k] for k in keys})}
 
 
-def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True):
+def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True,
+            distinct: bool = False):
   """Managed tables' raw ids -> rows; the maps updated and new ids' rows re-initialised.
 
   Args:
@@ -698,24 +729,32 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     key: PRNG key of the fresh rows (the same on every device; the step is folded in).
     update: False for inference (eval, export): ids found in the map get their rows,
       the others none (-1: zero embeddings); the state is not changed.
+    distinct: also return the managed features' distinct rows per device, as
+      `gather_rows(..., distinct=)` takes them: the lookup then skips its own
+      deduplication (two sorts per feature and device), which the route did already.
   Returns:
     (state, ids with every managed feature as int32 (B, bag) global rows, -1 at padding
-    and at ids left without a row, {table: {counter: int32 ()}}, see the module doc).
+    and at ids left without a row, {table: {counter: int32 ()}}, see the module doc),
+    and with `distinct` a fourth: {feature: (uniq (R S n,), inverse (B, bag))} (n = b x
+    bag per device; `_feature_distinct`), {} when no route deduplicates by owner.
   """
   names = plan.managed_tables()
   if not names:
-    return state, ids, {}
+    return (state, ids, {}, {}) if distinct else (state, ids, {})
   specs = plan.state_specs()
   bufs = [plan.buffer_of[t] for t in names]
   feats = {t: [f for f, c in plan.features.items() if c.table == t] for t in names}
   key = jax.random.fold_in(jax.random.key(0) if key is None else key, step)
 
+  with_distinct = distinct and _by_owner(plan)
+
   def body(sub, raw, step, key):
-    rows, counters = {}, {}
+    rows, counters, dist = {}, {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     ts = [plan.tables[t] for t in names]
     keys = [jax.random.fold_in(key, i) for i in range(len(ts))]
-    subs, got = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys, update)
+    subs, got, invs = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys,
+                                   update)
     new = dict(zip(bufs, subs))
     allc = jax.lax.psum(jnp.stack([c for _, c in got]), "shard")            # (tables, 7)
     for i, t in enumerate(names):
@@ -727,23 +766,26 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
       for f in fs:
         b, bag = raw[f].shape[:2]
         rows[f] = r[off:off + b * bag].reshape(b, bag)
+        if with_distinct:
+          uniq, inv = _feature_distinct(r, invs[i], off, b * bag)
+          dist[f] = (uniq, inv.reshape(b, bag))
         off += b * bag
-    return new, rows, counters
+    return new, rows, counters, dist
 
   mfeats = [f for t in names for f in feats[t]]
   sub_specs = {b: specs[b] for b in bufs}
   in_specs = (sub_specs, {f: P(BATCH, None, None) for f in mfeats}, P(), P())
   out_specs = (sub_specs, {f: P(BATCH, None) for f in mfeats},
-               {t: {c: P() for c in COUNTERS} for t in names} if update else {})
+               {t: {c: P() for c in COUNTERS} for t in names} if update else {},
+               {f: (P(BATCH), P(BATCH, None)) for f in mfeats} if with_distinct else {})
   # check_vma=False: the maps and counters are replicated over 'replica' (and the counters
   # over 'shard') by construction: every device resolves the same global ids.
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
-  sub, rows, counters = fn({b: state[b] for b in bufs}, {f: ids[f] for f in mfeats},
-                           jnp.asarray(step, jnp.int32), key)
-  if not update:
-    return state, {**ids, **rows}, {}
-  return {**state, **sub}, {**ids, **rows}, counters
+  sub, rows, counters, dist = fn({b: state[b] for b in bufs}, {f: ids[f] for f in mfeats},
+                                 jnp.asarray(step, jnp.int32), key)
+  out = ({**state, **sub} if update else state), {**ids, **rows}, (counters if update else {})
+  return (*out, dist) if distinct else out
 
 
 def step_metrics(plan: EmbeddingPlan, counters: dict) -> dict:

@@ -104,6 +104,8 @@ class Unit:
   distinct_share: float = 1.0               # row_wise: distinct ids / id slots per device
   owner_share: float = 0.0                  # row_wise: most of a device's distinct ids one
                                             # owner got in the id statistics (0: unknown)
+  batch_distinct_share: float = 1.0         # row_wise: distinct ids / id slots of the
+                                            # global batch (the largest sampled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +257,19 @@ class EmbeddingPlan:
     slots = sum(self.local_batch * u.bag for u in us)
     distinct = sum(u.distinct_share * self.local_batch * u.bag for u in us)
     return self._capacities(slots, distinct, max(u.owner_share for u in us))
+
+  def managed_owner_distinct(self, table: str) -> int:
+    """Managed table: distinct ids one owner resolves per step after deduplicating what its
+    requesters sent (those of the global batch in its windows): `layout.rw_capacity` of
+    the batch's distinct ids (`Unit.batch_distinct_share` of its B x bag slots, all the
+    table's features together) over the S owners. Without id statistics every slot.
+      Example: B = 4,096, bag 4, S = 8, half the slots distinct: 8,192 ids, 1,024 per
+      owner, 1,024 + 4 sqrt(1,024) + 1 = 1,153."""
+    us = [u for u in self.units.values()
+          if u.kind == "row_wise" and self.features[u.features[0]].table == table]
+    slots = sum(self.batch_size * u.bag for u in us)
+    distinct = sum(u.batch_distinct_share * self.batch_size * u.bag for u in us)
+    return layout.rw_capacity(distinct, self.num_shards, slots)
 
   def rw_slots(self, u: Unit) -> int:
     """Row-wise unit `u`: id slots of each owner's receive buffers per step (S C padded,
@@ -704,10 +719,13 @@ def plan_embeddings(tables: Sequence[TableConfig], features: Sequence[FeatureCon
     else:
       name = f"{buf.kind}.{f.name}"
       share = min(1.0, (distinct_share or {}).get(f.name, 1.0))
-      owner = id_stats[f.name].max_owner_share if id_stats and f.name in id_stats else 0.0
+      st = (id_stats or {}).get(f.name)
+      owner = st.max_owner_share if st else 0.0
+      batch_share = min(1.0, st.batch_distinct_share) if st else 1.0
       units[name] = Unit(name, buf.kind, buf.name, (f.name,), pooled, f.bag,
                          distinct_share=share if buf.kind == "row_wise" else 1.0,
-                         owner_share=owner if buf.kind == "row_wise" else 0.0)
+                         owner_share=owner if buf.kind == "row_wise" else 0.0,
+                         batch_distinct_share=batch_share if buf.kind == "row_wise" else 1.0)
   for (bname, pooled), fs in tw_groups.items():
     buf = buffers[bname]
     own = [buf.owners[buf.tables.index(f.table)] for f in fs]

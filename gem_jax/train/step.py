@@ -224,9 +224,10 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
   if inject_nan_step:
     batch = nonfinite.inject_nan(batch, state.step + 1 == inject_nan_step)
   # Managed tables: raw ids -> rows through their maps (updated, new rows re-initialised).
-  emb_state, ids, mc = emb_lib.managed.resolve(plan, state.emb, batch["ids"], state.step,
-                                               jax.random.wrap_key_data(state.rng))
-  rows, ctx = emb_lib.gather_rows(plan, emb_state, ids)
+  emb_state, ids, mc, known = emb_lib.managed.resolve(
+      plan, state.emb, batch["ids"], state.step, jax.random.wrap_key_data(state.rng),
+      distinct=True)                       # their distinct rows: the lookup does not sort again
+  rows, ctx = emb_lib.gather_rows(plan, emb_state, ids, known)
   emb, pool_vjp = jax.vjp(lambda r: emb_lib.pool_rows(plan, r, ctx, batch.get("weights")), rows)
   with sharding.activation_sharding(plan.mesh):
     loss, terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch),
