@@ -57,10 +57,10 @@ more than M; one `pmax`), or some owner more distinct ids than it keeps (a secon
 `pmax`, after the route, when some table's cap is below its slots), the step is resolved
 by broadcast for every table instead (`_route_broadcast`, exact for any skew): the global
 batch's ids all-gathered, every owner resolves its windows, one `psum` over 'shard' gives
-every device the row of every id. It runs in a `while_loop` taken once or never, after the by-owner route's writes
-(none in such a step), so the common step carries no fallback-sized buffers. Both paths
-give the same rows and maps (tested). The `pmax` (or two) and one `psum`
-(the counters) serve all managed tables.
+every device the row of every id. It runs in a `while_loop` taken once or never, after
+the by-owner route's writes (none in such a step), so the common step carries no
+fallback-sized buffers. Both paths give the same rows and maps (tested). The `pmax` (or
+two) and one `psum` (the counters) serve all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
