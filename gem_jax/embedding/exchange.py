@@ -313,12 +313,13 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
   mean_feats = [f for f, c in plan.features.items() if c.pooling == "mean"]
 
   rw_units = [n for n, u in plan.units.items() if u.kind == "row_wise"]
-  distinct = {f: d for f, d in (distinct or {}).items() if f"row_wise.{f}" in rw_units}
+  rw_feature = {name: plan.units[name].features[0] for name in rw_units}
+  distinct = {f: d for f, d in (distinct or {}).items() if f in rw_feature.values()}
 
   def body(weights, ids, known):
     rows, uniq_rows, inverse = {}, {}, {}
-    feat = {name: plan.units[name].features[0] for name in rw_units}
-    rw = {name: known[f] if f in known else rw_distinct(ids[f]) for name, f in feat.items()}
+    rw = {name: known[f] if f in known else rw_distinct(ids[f])
+          for name, f in rw_feature.items()}
     over = rw_overflow(plan, {name: uniq for name, (uniq, _) in rw.items()})
     for name, u in plan.units.items():
       if u.kind == "row_wise":

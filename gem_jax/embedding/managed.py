@@ -645,19 +645,19 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   return subs, out, [inv for (inv, *_), _ in owned]
 
 
-def _feature_distinct(rows, inv, start: int, size: int):
+def _feature_distinct(d_row, inv, start: int, size: int):
   """One feature's distinct rows from its table's resolved ids, for `gather_rows` (what
-  `exchange.rw_distinct` gives, without its sorts). rows (n,): global row of each of the
-  table's id slots on this device (-1: none), inv (n,): each slot's distinct id (`_owners`,
-  grouped by owner), the feature's slots [start, start + size) -> (uniq (size,): the rows
+  `exchange.rw_distinct` gives, without its sorts). d_row (n,): global row of each of the
+  table's distinct ids on this device (-1: none; `d_row[inv]` = the rows of its id slots),
+  inv (n,): each slot's distinct id (`_owners`, grouped by owner), the feature's slots
+  [start, start + size) -> (uniq (size,): the rows
   of the feature's distinct ids in owner order (a row keys one id, so they are distinct
   rows; not ascending within an owner, which the row-wise routes do not need), `_BIG`
   (`exchange.NO_ROW`) padded; the position in uniq of each of its slots (size,)).
-    Example: rows [9, 2, 9, -1], inv [0, 1, 0, 2], one feature: distinct rows [9, 2, -1]
+    Example: d_row [9, 2, -1, -1], inv [0, 1, 0, 2], one feature (slot rows [9, 2, 9, -1])
     -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2]."""
-  n = rows.shape[0]
+  n = d_row.shape[0]
   mine = inv[start:start + size]                                           # (size,)
-  d_row = jnp.full((n,), -1, jnp.int32).at[inv].set(rows)                  # (n,) per distinct id
   used = jnp.zeros((n,), bool).at[mine].set(True) & (d_row >= 0)
   pos = (jnp.cumsum(used) - 1).astype(jnp.int32)                           # place in uniq
   uniq = jnp.full((size,), _BIG, jnp.int32).at[jnp.where(used, pos, size)].set(
@@ -762,12 +762,14 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
       if update:
         new[bufs[i]]["map_used"] = sub[bufs[i]]["map_used"] + c[6]
         counters[t] = dict(zip(COUNTERS[:-1], c[:6]), used=new[bufs[i]]["map_used"])
+      if with_distinct:   # the row of each distinct id: all its slots got the same
+        d_row = jnp.full(r.shape, -1, jnp.int32).at[invs[i]].set(r)        # (n,)
       off = 0
       for f in fs:
         b, bag = raw[f].shape[:2]
         rows[f] = r[off:off + b * bag].reshape(b, bag)
         if with_distinct:
-          uniq, inv = _feature_distinct(r, invs[i], off, b * bag)
+          uniq, inv = _feature_distinct(d_row, invs[i], off, b * bag)
           dist[f] = (uniq, inv.reshape(b, bag))
         off += b * bag
     return new, rows, counters, dist
