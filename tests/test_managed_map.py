@@ -62,7 +62,9 @@ def _check(plan, state, host, rows, counters, ref, step, table="u"):
   fs = [f for f, c in plan.features.items() if c.table == table]
   flat = np.concatenate([host[f].ravel() for f in fs])
   want, want_c = ref.step(flat, step)
-  assert {k: int(v) for k, v in counters[table].items()} == want_c, (table, step)
+  got = {k: int(v) for k, v in counters[table].items()}
+  route = got.pop("broadcast")                      # the route, not the policy: not in ref
+  assert got == want_c, (table, step)
   for f in fs:
     exp = np.vectorize(lambda x: -1 if x == -1 or want[int(x)] is None else want[int(x)])(host[f])
     np.testing.assert_array_equal(np.asarray(rows[f]), exp, err_msg=f"step {step} {f}")
@@ -73,7 +75,7 @@ def _check(plan, state, host, rows, counters, ref, step, table="u"):
   occ = ids >= 0
   np.testing.assert_array_equal(canon["map_last"][occ], last[occ])
   np.testing.assert_array_equal(canon["map_count"][occ], count[occ])
-  return want, want_c
+  return want, {**want_c, "broadcast": route}
 
 
 @pytest.mark.parametrize("first,second,eviction,ttl,exchange,distinct", [
@@ -112,6 +114,12 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
         n = int(np.sum(flat == x))
         assert acc[r] == pytest.approx(n * n), (step, x)
   assert totals["evictions"] > 0 and totals["hits"] > 0
+  if exchange == "broadcast":                 # every step, counted
+    assert totals["broadcast"] == len(stream)
+  elif distinct < 1:                          # routes sized too small: some steps, counted
+    assert totals["broadcast"] > 0
+  else:                                       # routes for every slot: never
+    assert totals["broadcast"] == 0
   if ttl:
     assert totals["expired"] > 0
 
@@ -135,7 +143,7 @@ def test_tables_of_one_exchange_match_their_references():
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
   rng = np.random.default_rng(5)
   pops = {t: rng.integers(0, 1 << 62, 400, dtype=np.int64) * 2 + 1 for t in refs}
-  seen = dict.fromkeys(["evictions", "hits"], 0)
+  seen, by_broadcast = dict.fromkeys(["evictions", "hits"], 0), []
   for step in range(8):
     live = {t: p[5 * step: 5 * step + 60] for t, p in pops.items()}
     if step % 2 == 0:                  # 2 distinct ids of "v": no route overflows
@@ -144,10 +152,15 @@ def test_tables_of_one_exchange_match_their_references():
     host["v"][rng.random((B, 3)) < 0.2] = -1
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     state, rows, counters = step_fn(state, ids, step)
+    routes = set()
     for t, ref in refs.items():
       c = _check(plan, state, host, rows, counters, ref, step, t)[1]
       seen = {k: seen[k] + c[k] for k in seen}
+      routes.add(c["broadcast"])
+    assert len(routes) == 1                   # one route for every table of the step
+    by_broadcast.append(routes.pop())
   assert seen["evictions"] > 0 and seen["hits"] > 0
+  assert not any(by_broadcast[::2]) and any(by_broadcast[1::2])
 
 
 @pytest.mark.parametrize("force", ["sort", "fingerprint_ties"])
@@ -180,7 +193,7 @@ def test_owner_past_its_distinct_cap_redoes_the_step(exchange, monkeypatch):
   """An owner resolves at most `_distinct_cap` distinct ids (either route); in a step where
   some owner holds more, no write of the by-owner route lands and every table is resolved
   again by broadcast: rows and maps still equal the reference's."""
-  cap = 3
+  cap = 14          # the stream's most distinct ids per owner: 14, 13, 16, 13, 16, 14
   monkeypatch.setattr(managed, "_distinct_cap", lambda plan, t, x: cap)
   ref = RefMap(ROWS, K, "lru", 3)
   plan = _plan(make_mesh(2, 4), "lru", 3, exchange)
@@ -189,9 +202,10 @@ def test_owner_past_its_distinct_cap_redoes_the_step(exchange, monkeypatch):
   for step, host in enumerate(_stream(13, 6)):
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     state, rows, counters = step_fn(state, ids, step)
-    _check(plan, state, host, rows, counters, ref, step)
+    route = _check(plan, state, host, rows, counters, ref, step)[1]["broadcast"]
     over.append(_most_per_owner(plan, host) > cap)
-  assert any(over)
+    assert route == over[-1], step            # the redo is counted, and only it
+  assert any(over) and not all(over)
 
 
 def test_id_stats_of_a_managed_table_count_raw_ids_and_cap_the_owners():

@@ -3,7 +3,8 @@
 A tiny DLRM with every table managed (LFU, TTL 4 steps, 64 rows: the tiny vocabularies
 overflow them, so evictions and expiry happen) trains 6 steps on 8 devices (2x4),
 checkpointing at step 3; the step-3 checkpoint resumes on 4 devices (1x4). Steps 4-6 must
-log the same map counters exactly and the same losses, and the final maps must be equal.
+log the same map counters exactly (not `mc_broadcast`: which route a step takes depends
+on the mesh) and the same losses, and the final maps must be equal.
 """
 import json
 import os
@@ -44,8 +45,9 @@ def _maps(workdir, step):
 @pytest.mark.slow
 def test_managed_tables_resume_on_another_mesh(tmp_path):
   ref_err, ref_out = _train(tmp_path / "ref", 8, (2, 4))
-  assert "mc_hit_rate=" in ref_err                                   # the progress line
+  assert "mc_hit_rate=" in ref_err and "mc_broadcast=" in ref_err   # the progress line
   assert ref_out["mc_evictions/user"] > 0 and "mc_occupancy/ad" in ref_out   # final JSON
+  assert 0 <= ref_out["mc_broadcast"] <= 1
   shutil.copytree(tmp_path / "ref" / "checkpoints" / "3",
                   tmp_path / "other" / "checkpoints" / "3")
   err, _ = _train(tmp_path / "other", 4, (1, 4))
@@ -53,7 +55,8 @@ def test_managed_tables_resume_on_another_mesh(tmp_path):
   ref, got = _log(tmp_path / "ref"), _log(tmp_path / "other")
   assert sorted(got) == [4, 5, 6]
   for s in got:
-    mc = {k: v for k, v in ref[s].items() if k.startswith("mc_")}
+    mc = {k: v for k, v in ref[s].items()   # the route taken depends on the mesh, the maps not
+          if k.startswith("mc_") and k != "mc_broadcast"}
     assert mc and mc == {k: got[s][k] for k in mc}, s
     np.testing.assert_allclose(got[s]["train_loss"], ref[s]["train_loss"], rtol=1e-5)
   want, have = _maps(tmp_path / "ref", 6), _maps(tmp_path / "other", 6)

@@ -82,7 +82,10 @@ depend on the seed, step, table, row and column only (not on the mesh or the rou
 Counters per table and step (int32, identical on every device): ids (distinct raw
 ids in the batch), hits, inserts, evictions (inserts that displaced a live id),
 expired (inserts into a slot whose id outlived its TTL), collisions (ids left
-without a row, step 3), used (occupied rows after the step).
+without a row, step 3), used (occupied rows after the step), broadcast (1: the step was
+resolved by the broadcast route, the overflow fallback or `rw_exchange='broadcast'`; the
+same for every table: a run whose routes are sized too small shows it here, in time
+rather than in rows).
 """
 from __future__ import annotations
 
@@ -97,7 +100,9 @@ from gem_jax import vma
 from gem_jax.embedding.config import TableConfig
 from gem_jax.embedding.plan import BATCH, MAP_LEAVES, EmbeddingPlan
 
-COUNTERS = ("ids", "hits", "inserts", "evictions", "expired", "collisions", "used")
+COUNTERS = ("ids", "hits", "inserts", "evictions", "expired", "collisions", "used",
+            "broadcast")
+_RESOLVED = COUNTERS[:6]   # counted by `_owner_resolve`, summed over the owners
 _BIG = np.iinfo(np.int32).max
 _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
@@ -579,7 +584,8 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
   with the writes applied (unchanged unless `update`), [(rows (n,), local counts (7,))] per
   table, [the requester's distinct index of each id (n,) (`_owners`)] per table or None
-  when no route deduplicates by owner).
+  when no route deduplicates by owner, whether the step was resolved by broadcast (bool
+  scalar, the same on every device)).
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
@@ -606,7 +612,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     return apply(subs, got), [(r, c) for r, c, _ in got]
 
   if not _by_owner(plan):
-    return (*broadcast(subs), None)
+    return (*broadcast(subs), None, jnp.bool_(True))
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
@@ -642,7 +648,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
                                     (redo, subs, out))
-  return subs, out, [inv for (inv, *_), _ in owned]
+  return subs, out, [inv for (inv, *_), _ in owned], redo
 
 
 def _feature_distinct(d_row, inv, start: int, size: int):
@@ -753,7 +759,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     ts = [plan.tables[t] for t in names]
     keys = [jax.random.fold_in(key, i) for i in range(len(ts))]
-    subs, got, invs = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys,
+    subs, got, invs, redo = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys,
                                    update)
     new = dict(zip(bufs, subs))
     allc = jax.lax.psum(jnp.stack([c for _, c in got]), "shard")            # (tables, 7)
@@ -761,7 +767,8 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
       fs, r, c = feats[t], got[i][0], allc[i]
       if update:
         new[bufs[i]]["map_used"] = sub[bufs[i]]["map_used"] + c[6]
-        counters[t] = dict(zip(COUNTERS[:-1], c[:6]), used=new[bufs[i]]["map_used"])
+        counters[t] = dict(zip(_RESOLVED, c[:6]), used=new[bufs[i]]["map_used"],
+                           broadcast=redo.astype(jnp.int32))
       if with_distinct:   # the row of each distinct id: all its slots got the same
         d_row = jnp.full(r.shape, -1, jnp.int32).at[invs[i]].set(r)        # (n,)
       off = 0
@@ -793,10 +800,12 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
 def step_metrics(plan: EmbeddingPlan, counters: dict) -> dict:
   """Float32 metrics of `resolve`'s counters: per table `mc_<counter>/<table>` (ids, hits,
   inserts, evictions, expired, collisions per step) and `mc_occupancy/<table>` (used /
-  rows); over all managed tables `mc_hit_rate` (hits / ids) and `mc_collisions`."""
+  rows); over all managed tables `mc_hit_rate` (hits / ids), `mc_collisions` and
+  `mc_broadcast` (1 in a step resolved by broadcast: averaged over a log interval, the
+  share of such steps)."""
   out = {}
   for t, c in counters.items():
-    for k in COUNTERS[:-1]:
+    for k in _RESOLVED:
       out[f"mc_{k}/{t}"] = c[k].astype(jnp.float32)
     out[f"mc_occupancy/{t}"] = c["used"].astype(jnp.float32) / plan.tables[t].rows
   if counters:
@@ -804,6 +813,7 @@ def step_metrics(plan: EmbeddingPlan, counters: dict) -> dict:
     out["mc_hit_rate"] = (sum(c["hits"] for c in counters.values()).astype(jnp.float32)
                           / jnp.maximum(ids, 1).astype(jnp.float32))
     out["mc_collisions"] = sum(c["collisions"] for c in counters.values()).astype(jnp.float32)
+    out["mc_broadcast"] = next(iter(counters.values()))["broadcast"].astype(jnp.float32)
   return out
 
 

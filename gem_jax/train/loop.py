@@ -172,7 +172,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   profiler = report.Profiler(workdir, config.train.profile_steps)
   progress = report.Progress(steps, initial=step, keys=report.PROGRESS_KEYS + (
-      ("mc_hit_rate", "mc_collisions") if s.plan.managed_tables() else ()))
+      ("mc_hit_rate", "mc_collisions", "mc_broadcast") if s.plan.managed_tables() else ()))
   watchdog = watchdog_lib.StepWatchdog.from_env(step)  # a stalled step exits non-zero
   summary, last, running, n_log, worse = {}, {}, None, 0, {}
   t_log = time.perf_counter()
