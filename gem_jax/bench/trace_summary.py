@@ -9,6 +9,12 @@ HLO instruction: `fusion.12`, `gemm_fusion_dot.3`, `all-to-all.1`), so their sum
 device's busy time. On CPU they are the runtime's thunks on the host threads, minus the
 executor's own wrappers; with several simulated devices on few cores their durations
 include preemption, so read them as shares, not times.
+
+Each op counts its self time: an event's duration less that of the events nested in it on
+the same thread (a CPU `while` or `conditional` thunk spans its body's thunks, which are
+events of their own; counting both counted the body twice).
+  Example: while.3 [0, 500) holding fusion.1 [10, 210) and fusion.2 [250, 350) ->
+  while.3 200, fusion.1 200, fusion.2 100: 500 in all, the loop's span.
 """
 from __future__ import annotations
 
@@ -53,21 +59,38 @@ def _device_pids(events) -> set:
           and re.search(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))}
 
 
+def _self_times(ops: list[dict]) -> list[float]:
+  """Self time of each complete event (us): its duration less its direct children's, the
+  events that start and end inside it on the same (pid, tid) timeline."""
+  self_us = [float(e["dur"]) for e in ops]
+  by_thread = collections.defaultdict(list)
+  for i, e in enumerate(ops):
+    by_thread[(e.get("pid"), e.get("tid"))].append(i)
+  for idx in by_thread.values():
+    idx.sort(key=lambda i: (float(ops[i]["ts"]), -float(ops[i]["dur"])))  # parents first
+    open_: list[tuple[float, int]] = []                                   # (end, index)
+    for i in idx:
+      ts, end = float(ops[i]["ts"]), float(ops[i]["ts"]) + float(ops[i]["dur"])
+      while open_ and open_[-1][0] <= ts:
+        open_.pop()
+      if open_ and end <= open_[-1][0]:
+        self_us[open_[-1][1]] -= float(ops[i]["dur"])
+      open_.append((end, i))
+  return self_us
+
+
 def summarize(logdir: str, steps: int) -> list[dict]:
-  """Every op by summed duration per step (ms), descending, with its calls per step and share
-  of the summed time. `steps`: how many steps the trace holds (to divide by)."""
+  """Every op by summed self time per step (ms), descending, with its calls per step and
+  share of the summed time. `steps`: how many steps the trace holds (to divide by)."""
   events = json.load(gzip.open(_latest_trace(logdir)))["traceEvents"]
   dev = _device_pids(events)
+  ops = [e for e in events
+         if e.get("ph") == "X" and "dur" in e and "ts" in e
+         and (e.get("pid") in dev if dev else not _WRAPPERS.search(e["name"]))]
   total: collections.Counter = collections.Counter()
   calls: collections.Counter = collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or "dur" not in e:
-      continue
-    if dev and e.get("pid") not in dev:
-      continue
-    if not dev and _WRAPPERS.search(e["name"]):
-      continue
-    total[e["name"]] += float(e["dur"])
+  for e, us in zip(ops, _self_times(ops)):
+    total[e["name"]] += us
     calls[e["name"]] += 1
   busy = sum(total.values()) or 1.0
   return [{"op": name, "ms_per_step": us / 1e3 / steps, "calls_per_step": calls[name] / steps,
