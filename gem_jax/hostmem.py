@@ -157,8 +157,31 @@ class _Mallinfo2(ctypes.Structure):
 
 
 @functools.cache
+def _own_allocator() -> str:
+  return allocator()
+
+
+@functools.cache
 def _libc_mallinfo2():
   return _libc_function("mallinfo2", [], _Mallinfo2)  # glibc >= 2.33
+
+
+def allocator_of(maps: str) -> str:
+  """The malloc serving a process, from its /proc/PID/maps text: 'jemalloc' or 'tcmalloc'
+  when that library is mapped (LD_PRELOAD puts it ahead of glibc's malloc), else 'glibc'."""
+  for name in ("jemalloc", "tcmalloc"):
+    if f"lib{name}" in maps:
+      return name
+  return "glibc"
+
+
+def allocator(pid: int | str = "self") -> str:
+  """`allocator_of` this process (or `pid`); 'unknown' without /proc."""
+  try:
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+      return allocator_of(f.read())
+  except OSError:
+    return "unknown"
 
 
 def host_memory_mb() -> dict[str, float]:
@@ -168,7 +191,8 @@ def host_memory_mb() -> dict[str, float]:
   allocated and not yet freed (glibc mallinfo2: uordblks + hblkhd, all arenas);
   host_heap_free_mb: freed bytes glibc keeps inside its heaps (fordblks). RSS growing
   with heap_used flat is retention (fragmentation, `release_free_heap` helps); heap_used
-  growing is live allocations. Keys absent where the source is (not Linux, not glibc).
+  growing is live allocations. Keys absent where the source is (not Linux, not glibc;
+  another malloc preloaded, e.g. jemalloc: glibc's figures would describe its unused heap).
   """
   out = {}
   try:
@@ -177,7 +201,7 @@ def host_memory_mb() -> dict[str, float]:
   except (OSError, ValueError, IndexError):
     pass
   info = _libc_mallinfo2()
-  if info is not None:
+  if info is not None and _own_allocator() == "glibc":
     m = info()
     out["host_heap_used_mb"] = (m.uordblks + m.hblkhd) / 2**20
     out["host_heap_free_mb"] = m.fordblks / 2**20

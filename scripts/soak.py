@@ -107,14 +107,20 @@ def trainer_cmd(args, workdir: str, cache: str, stop_at: int = 0) -> list[str]:
   return cmd + ([f"--config.train.stop_at={stop_at}"] if stop_at else [])
 
 
-def trainer_env(glibc_tunables: str = "") -> dict:
+def trainer_env(glibc_tunables: str = "", preload: str = "") -> dict:
   """The trainer's environment: CPU, 8 devices, GLIBC_TUNABLES as given (empty: the
-  trainer's own, malloc huge pages: `hostmem.use_huge_pages`)."""
+  trainer's own, malloc huge pages: `hostmem.use_huge_pages`), LD_PRELOAD = `preload`
+  (another malloc, e.g. libjemalloc.so.2; empty: glibc's)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   env.pop("GLIBC_TUNABLES", None)
+  env.pop("LD_PRELOAD", None)
   if glibc_tunables:   # named tunables win over the trainer's (gem_jax/hostmem.py)
     env["GLIBC_TUNABLES"] = glibc_tunables
+  if preload:
+    if not os.path.isfile(preload):
+      raise SystemExit(f"--preload {preload}: no such file")
+    env["LD_PRELOAD"] = preload
   return env
 
 
@@ -239,6 +245,9 @@ def main(argv=None) -> dict:
   p.add_argument("--glibc-tunables", default="",
                  help="GLIBC_TUNABLES for the trainer instead of its own (hugetlb=1), e.g. "
                       "'glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2'")
+  p.add_argument("--preload", default="",
+                 help="a malloc library for the trainer (LD_PRELOAD), e.g. "
+                      "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
   p.add_argument("--samples-out", default="", help="write the raw samples (JSON) here")
   args = p.parse_args(argv)
   warmup_s = 60 * (args.warmup_min or min(5.0, args.minutes / 5))
@@ -249,9 +258,9 @@ def main(argv=None) -> dict:
   os.makedirs(workdir)
   log = open(os.path.join(root, "trainer.log"), "w", encoding="utf-8")  # noqa: SIM115
   proc = subprocess.Popen(trainer_cmd(args, workdir, cache), stdout=subprocess.DEVNULL,
-                          stderr=log, env=trainer_env(args.glibc_tunables), cwd=ROOT)
+                          stderr=log, env=trainer_env(args.glibc_tunables, args.preload), cwd=ROOT)
   t0 = None  # the first logged train row: start-up (imports, compiling) is not the soak
-  samples, row_t, seen = [], {}, 0
+  samples, row_t, seen, malloc = [], {}, 0, "unknown"
   maps = {}   # per-mapping RSS at the end of the warm-up and at the end (where it grows)
   try:
     while proc.poll() is None and (t0 is None or time.monotonic() - t0 < 60 * args.minutes):
@@ -264,6 +273,8 @@ def main(argv=None) -> dict:
         row_t[step] = t
       seen = len(rows)
       if rss is not None and rows:  # trained: the run is past its start-up
+        if malloc == "unknown":
+          malloc = hostmem.allocator(proc.pid)
         samples.append({"t": round(t, 1), **rss, "huge_mb": round(hostmem.anon_huge_pages_mb(proc.pid), 1),
                         "ckpts": checkpoint_dirs(os.path.join(workdir, "checkpoints")),
                         "cache_bytes": dir_bytes(cache), "step": rows[-1][0]})
@@ -286,7 +297,7 @@ def main(argv=None) -> dict:
          **heap_summary(workdir, row_t, warmup_s, window_s),
          "evals": sum(1 for _ in _eval_rows(workdir)),
          "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-         "glibc_tunables": args.glibc_tunables or "trainer's own",
+         "glibc_tunables": args.glibc_tunables or "trainer's own", "allocator": malloc,
          "rss_growth_mb_by_mapping": (hostmem.rss_growth_by_mapping(maps["warm"], maps["end"])
                                       if maps.get("warm") and maps.get("end") else {})}
   if rc != 0:
@@ -322,7 +333,7 @@ def restart(args, workdir: str, cache: str, root: str) -> dict:
     last = max((int(n) for n in os.listdir(ckpts) if n.isdigit()), default=0)
     before, t = dir_bytes(cache), time.monotonic()
     r = subprocess.run(trainer_cmd(args, workdir, cache, last + 2 * args.checkpoint_every),
-                       capture_output=True, text=True, env=trainer_env(args.glibc_tunables),
+                       capture_output=True, text=True, env=trainer_env(args.glibc_tunables, args.preload),
                        cwd=ROOT, timeout=900)
     with open(os.path.join(root, f"restart{i}.log"), "w", encoding="utf-8") as f:
       f.write(r.stderr)

@@ -184,3 +184,16 @@ def test_rss_growth_by_mapping_finds_the_mapping_that_grew():
   assert 60 < grew["kind anon"] < 80, grew
   assert max(v for k, v in grew.items() if not k.startswith("kind")) > 60, grew
   assert block.sum() == 64 << 20
+
+
+def test_allocator_from_the_mapped_libraries():
+  """A preloaded malloc shows in the maps; without one the process runs glibc's."""
+  glibc = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+  assert hostmem.allocator_of(glibc) == "glibc"
+  assert hostmem.allocator_of(
+      glibc + "7e00-7e10 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n") == "jemalloc"
+  assert hostmem.allocator_of(glibc + "7d00 r-xp 0 0 3 /opt/lib/libtcmalloc_minimal.so.4\n") \
+      == "tcmalloc"
+  if os.path.exists("/proc/self/maps") and "LD_PRELOAD" not in os.environ:
+    assert hostmem.allocator() == "glibc"
+  assert hostmem.allocator(pid=2**30) == "unknown"   # no such process
