@@ -139,9 +139,11 @@ def release_free_heap() -> bool:
   that allocates and frees large host buffers from several threads ratchets up its
   RSS: the asynchronous checkpoint writer copies the state to host buffers on every
   save, from a thread pool. Measured (docs/RELIABILITY.md, soak): one call after each
-  finished save took the soak's RSS slope from 188 to 102 MB/h (not flat: the rest is
-  not located) and a bare save loop's growth to ~0. Cost (measured on a 1 GB heap of 100 KB blocks): 6 ms with nothing to give
-  back, 80 ms giving back 460 MB. False (nothing done) where glibc is absent.
+  finished save took the soak's RSS slope from 188 to 102 MB/h and a bare save loop's
+  growth to ~0 (what glibc still retains in its arenas after that, ~20 MB/h, goes away
+  under jemalloc: docs/RELIABILITY.md). Cost (measured on a 1 GB heap of 100 KB blocks):
+  6 ms with nothing to give back, 80 ms giving back 460 MB. False (nothing done) where
+  glibc is absent.
   """
   trim = _libc_malloc_trim()
   if trim is None:

@@ -333,8 +333,8 @@ def restart(args, workdir: str, cache: str, root: str) -> dict:
     last = max((int(n) for n in os.listdir(ckpts) if n.isdigit()), default=0)
     before, t = dir_bytes(cache), time.monotonic()
     r = subprocess.run(trainer_cmd(args, workdir, cache, last + 2 * args.checkpoint_every),
-                       capture_output=True, text=True, env=trainer_env(args.glibc_tunables, args.preload),
-                       cwd=ROOT, timeout=900)
+                       capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env=trainer_env(args.glibc_tunables, args.preload))
     with open(os.path.join(root, f"restart{i}.log"), "w", encoding="utf-8") as f:
       f.write(r.stderr)
     ok = r.returncode == 0 and f"resumed from the checkpoint at step {last}" in r.stderr
