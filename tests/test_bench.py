@@ -42,6 +42,9 @@ def test_benchmark_json_fields_are_sane(bench_rows):
   assert r["train_flops_per_example"] == 3 * fwd
   assert r["xla_flops_per_example"] > 0
   assert r["peak_flops_per_device"] > 1e8 and r["peak_source"].startswith("cpu matmul probe")
+  # probed before and after the timed steps, the peak the higher of the two
+  assert r["peak_flops_per_device"] == max(r["probe_flops_start"], r["probe_flops_end"])
+  assert "probe TFLOP/s start / end" in table
   assert r["mfu"] == pytest.approx(r["tflops_per_device"] * 1e12 / r["peak_flops_per_device"])
   assert r["embedding_exchange_bytes_per_step"] == 0  # one device: nothing leaves it
   assert r["mem_peak_bytes_compiled"] >= 8 * 1000 * 64 * 4  # the tables are arguments

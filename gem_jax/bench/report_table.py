@@ -37,6 +37,9 @@ def format_run(r: dict) -> str:
       ("TFLOP/s per device", _num(r.get("tflops_per_device"), "{:.4f}")),
       ("peak TFLOP/s per device", f"{_num((r.get('peak_flops_per_device') or 0) / 1e12, '{:.3f}')}"
                                   f" ({r.get('peak_source')})"),
+      *([("probe TFLOP/s start / end", f"{r['probe_flops_start'] / 1e12:.3f} / "
+                                       f"{r['probe_flops_end'] / 1e12:.3f} (peak: the higher)")]
+        if r.get("probe_flops_end") else []),
       ("MFU", _num(100 * (r.get("mfu") or float("nan")), "{:.1f} %")),
       ("dense part ms / MFU", f"{_num(r.get('dense_step_ms_median'), '{:.2f}')} / "
                               f"{_num(100 * (r.get('dense_mfu') or float('nan')), '{:.1f} %')}"),
