@@ -36,7 +36,14 @@ frozen rows back over the whole buffer: `transfer.student.keep_frozen_rows`).
 times managed-collision tables (a map per table, gem_jax/embedding/managed.py: the step
 resolves raw ids through it first) against hashed ones at the same table rows (rounded to
 whole probe windows), side by side, and reports the map's bytes (stated per row and
-measured on the state).
+measured on the state). The id stream decides what the managed step does: `--id-stream
+cycle` (the default) repeats 4 batches, so a table that holds their ids serves hits after
+the first steps, and one that does not (10^5 rows here) re-inserts most of them every
+step; `fresh` draws a new batch every step (new raw ids keep arriving: inserts at every
+size); `--id-population P` draws each table's raw ids from P values (a population that
+fits the table: hits). Each run prints the managed counters of its last step (share of
+the batch's distinct ids that were hits, inserts, evictions), so sizes are compared in
+the same regime.
 
 Host memory: the script re-executes itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 (glibc >= 2.35) so that large buffers get transparent huge pages (on machines whose
@@ -90,15 +97,16 @@ def make_step(plan, frozen=None, freeze_by="drop"):
     return sum(jnp.sum(e * e) for e in emb.values()) / plan.batch_size
 
   def step(state, ids, t):
-    known = {}
+    known, counters = {}, {}
     if plan.managed_tables():   # raw ids -> rows through the maps (managed.py), step t
-      state, ids, _, known = managed.resolve(plan, state, ids, t, jax.random.key(1),
-                                             distinct=True)
+      state, ids, counters, known = managed.resolve(plan, state, ids, t, jax.random.key(1),
+                                                    distinct=True)
     rows, ctx = gather_rows(plan, state, ids, known)
     loss, g = jax.value_and_grad(loss_fn)(rows, ctx)
     if frozen and freeze_by == "select":
-      return keep_frozen_rows(apply_sparse_updates(plan, state, ctx, g), state, frozen), loss
-    return apply_sparse_updates(plan, state, ctx, g, frozen=frozen), loss
+      return keep_frozen_rows(apply_sparse_updates(plan, state, ctx, g), state, frozen), (
+          loss, counters)
+    return apply_sparse_updates(plan, state, ctx, g, frozen=frozen), (loss, counters)
   return jax.jit(step, donate_argnums=0)
 
 
@@ -118,12 +126,15 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
   mesh = make_mesh(tuple(mesh_shape or args.mesh))
   rng = np.random.default_rng(0)
   raws = []
-  for _ in range(4):
+  n_batches = 4 if args.id_stream == "cycle" else 1 + args.warmup + args.steps
+  for _ in range(n_batches):
     raw = {f.name: rng.zipf(1.1, (batch, args.bag)).astype(np.int64) for f in feats}
+    if args.id_population:   # ranks folded onto P values per table (the head stays the head)
+      raw = {f: (x - 1) % args.id_population + 1 for f, x in raw.items()}
     if id_policy == "managed":   # ids spread over 63 bits, as raw ids are
       raw = {f: hash_ids(x, 1 << 62) for f, x in raw.items()}
     raws.append(raw)
-  stats = (id_stats(tables, feats, raws, num_devices=mesh.devices.size,
+  stats = (id_stats(tables, feats, raws[:4], num_devices=mesh.devices.size,
                     num_shards=mesh.shape["shard"]) if args.id_stats else None)
   dedup_min = {"auto": DEDUP_MIN_BYTES, "always": 0, "never": 1 << 62}[args.dedup]
   plan = plan_embeddings(tables, feats, mesh, batch, SparseOptimizerConfig(lr=0.01),
@@ -135,14 +146,15 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
   frozen = frozen_row_ranges(plan, [t.name for t in tables[:args.freeze]])
   step = make_step(plan, frozen, freeze_by)
   t0 = time.perf_counter()
-  state, loss = step(state, batches[0], jnp.int32(0))
+  state, (loss, counters) = step(state, batches[0], jnp.int32(0))
   jax.block_until_ready(loss)
   compile_s = time.perf_counter() - t0
   for i in range(args.warmup):
-    state, loss = step(state, batches[i % 4], jnp.int32(i + 1))
+    state, (loss, counters) = step(state, batches[(i + 1) % len(batches)], jnp.int32(i + 1))
   jax.block_until_ready(state)
   return {"rows": rows, "freeze_by": freeze_by, "plan": plan, "state": state,
-          "id_policy": id_policy, "t": args.warmup + 1,
+          "id_policy": id_policy, "t": args.warmup + 1, "counters": counters,
+          "fresh": args.id_stream == "fresh",
           "rw_exchange": rw_exchange, "batch": batch,
           "batches": batches, "step": step,
           "loss": loss, "times": [], "init_s": init_s, "compile_s": compile_s,
@@ -150,9 +162,11 @@ def setup(rows: int, args, freeze_by: str = "drop", mesh_shape=None, batch=None,
 
 
 def timed_step(run: dict, i: int) -> None:
+  """Step i of the timed ones: the cycle's batch i mod 4, or the stream's next batch."""
+  batches = run["batches"]
+  b = batches[min(run["t"], len(batches) - 1)] if run["fresh"] else batches[i % 4]
   t0 = time.perf_counter()
-  run["state"], run["loss"] = run["step"](run["state"], run["batches"][i % 4],
-                                          jnp.int32(run["t"]))
+  run["state"], (run["loss"], run["counters"]) = run["step"](run["state"], b, jnp.int32(run["t"]))
   run["t"] += 1
   jax.block_until_ready((run["state"], run["loss"]))
   run["times"].append((time.perf_counter() - t0) * 1e3)
@@ -164,9 +178,24 @@ def _map_bytes(state) -> int:
                  if k in MAP_LEAVES))
 
 
+def _regime(counters: dict) -> dict:
+  """The managed tables' last step, summed over tables: distinct ids and the shares of them
+  that were hits, inserts and evictions (empty for hashed tables)."""
+  if not counters:
+    return {}
+  tot = {k: sum(int(c[k]) for c in counters.values())
+         for k in ("ids", "hits", "inserts", "evictions", "collisions")}
+  ids = max(tot["ids"], 1)
+  return {"mc_ids_per_table": tot["ids"] / len(counters),
+          **{f"mc_{k}_share": tot[k] / ids for k in ("hits", "inserts", "evictions",
+                                                   "collisions")}}
+
+
 def summary(run: dict, args) -> dict:
   plan, times = run["plan"], run["times"]
   return {
+      "id_stream": args.id_stream, "id_population": args.id_population,
+      **_regime(run["counters"]),
       "rows": run["rows"], "tables": args.tables, "dim": args.dim, "batch": run["batch"],
       "rw_exchange": run["rw_exchange"], "id_policy": run["id_policy"],
       "table_rows": int(plan.tables["t0"].rows),
@@ -234,6 +263,10 @@ def main(argv=None):
   p.add_argument("--project-group", type=int, nargs="+", default=None, metavar="S",
                  help="plan (run nothing) 1 x S groups: per-device wire ids and buffers, "
                       "padded against ragged (--batch examples per device)")
+  p.add_argument("--id-stream", default="cycle", choices=["cycle", "fresh"],
+                 help="cycle: 4 batches repeated; fresh: a new batch every step")
+  p.add_argument("--id-population", type=int, default=0, metavar="P",
+                 help="raw ids per table drawn from P values (0: unbounded Zipf ranks)")
   p.add_argument("--id-stats", action="store_true",
                  help="plan with the id statistics of the timed batches (row-wise capacities "
                       "from their distinct ids, as the trainer's embedding.id_stats_batches)")
@@ -290,10 +323,14 @@ def policy_series(args) -> list[dict]:
     if args.json:
       print(json.dumps(r), flush=True)
     else:
+      regime = (f", last step: {r['mc_ids_per_table']:,.0f} distinct ids per table, hits "
+                f"{r['mc_hits_share']:.0%}, inserts {r['mc_inserts_share']:.0%} (evicting "
+                f"{r['mc_evictions_share']:.0%}), no row {r['mc_collisions_share']:.0%}"
+                if "mc_ids_per_table" in r else "")
       print(f"rows {r['rows']:>11,d} {r['id_policy']:>8}: step median {r['step_ms_median']:.1f} "
             f"ms (min {r['step_ms_min']:.1f}), map {r['map_bytes_measured']:,d} B "
             f"({r['map_bytes_measured'] / (r['table_rows'] * args.tables):.1f} B/row), "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+            f"peak RSS {r['peak_rss_mb']:.0f} MB{regime}", flush=True)
   if not args.json and len(args.id_policy) > 1:
     for rows in args.rows:
       by = {r["id_policy"]: r["step_ms_median"] for r in results if r["rows"] == rows}

@@ -79,6 +79,29 @@ def test_bench_embedding_freeze_modes_agree():
   assert drop["frozen_tables"] == 1 and drop["loss"] == select["loss"] and drop["loss"] > 0
 
 
+def test_bench_embedding_reports_the_managed_regime():
+  """The id stream decides what a managed step does, and each run says which: a population
+  that fits the table is served by hits after the first steps, a fresh unbounded stream
+  keeps inserting (counters of the last step, summed over the tables)."""
+  base = [sys.executable, os.path.join(ROOT, "scripts", "bench_embedding.py"), "--rows", "8000",
+          "--tables", "2", "--mesh", "1", "2", "--batch", "64", "--steps", "2", "--warmup", "2",
+          "--sharding", "row_wise", "--id-policy", "managed", "--id-stream", "fresh", "--json",
+          "--no-hugepages"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  got = {}
+  for population in ("0", "40"):
+    p = subprocess.run(base + ["--id-population", population], capture_output=True, text=True,
+                       env=env, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (r,) = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    assert r["id_stream"] == "fresh" and r["id_population"] == int(population)
+    got[population] = r
+  steady, fresh = got["40"], got["0"]
+  assert steady["mc_hits_share"] == 1.0 and steady["mc_inserts_share"] == 0.0
+  assert steady["mc_ids_per_table"] <= 40
+  assert fresh["mc_inserts_share"] > 0.3 and fresh["mc_hits_share"] < 0.7
+
+
 # ------------------------------------------------------------------- the peer --
 
 def test_peer_data_is_deterministic_and_seeded():
