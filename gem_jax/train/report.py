@@ -220,6 +220,13 @@ def _dtype_name(dtype: Any) -> str:
   return "float8" if name.startswith("float8") else name
 
 
+def cpu_probe_dtype(dtype: Any) -> str:
+  """The dtype whose CPU matmul probe is the peak for `dtype`: bf16/fp16 their own, every
+  other (fp32, fp8, which CPU emulates) fp32."""
+  name = _dtype_name(dtype)
+  return name if name in ("bfloat16", "float16") else "float32"
+
+
 def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float | None:
   """Peak FLOP/s of one device for dense matmuls in `dtype`.
 
@@ -230,8 +237,8 @@ def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float 
   """
   device = jax.devices()[0] if device is None else device
   name = _dtype_name(dtype)
-  if device.platform == "cpu":  # fp8 is emulated on CPU: its peak is the fp32 one
-    return matmul_probe_flops(name if name in ("bfloat16", "float16") else "float32")
+  if device.platform == "cpu":
+    return matmul_probe_flops(cpu_probe_dtype(dtype))
   kind = device.device_kind.lower()
   for key, tflops in PEAK_BF16_TFLOPS:
     if key in kind:
