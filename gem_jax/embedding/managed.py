@@ -582,18 +582,22 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
 
 def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
-  with the writes applied (unchanged unless `update`), [(rows (n,), local counts (7,))] per
-  table, [the requester's distinct index of each id (n,) (`_owners`)] per table or None
-  when no route deduplicates by owner, whether the step was resolved by broadcast (bool
-  scalar, the same on every device)).
+  with the writes applied (unchanged unless `update`), [(rows (n,), counts (7,) summed over
+  the owners)] per table, [the requester's distinct index of each id (n,) (`_owners`)] per
+  table or None when no route deduplicates by owner, whether the step was resolved by
+  broadcast (bool scalar, the same on every device)).
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
-  in the mesh (one `pmax`: the same branch everywhere), then every table by broadcast
-  (`_route_broadcast`): both give the same rows and maps. The routes only read the maps and
-  return batch-sized writes, applied outside any lax.cond (XLA:CPU copied table-sized
-  buffers updated inside a cond branch whole). The broadcast fallback, whose writes span
-  the R S n ids of the global batch against the owner route's R S C, runs in a loop taken
+  in the mesh, or some owner more distinct ids than it keeps (`_distinct_cap`), then every
+  table by broadcast (`_route_broadcast`): both give the same rows and maps. The padded
+  route runs whatever the counts (a pair's ids past its C are not sent: that device flags
+  the step), so both flags and the counters travel in one `psum` after it; the ragged
+  route cannot take more than its M slots per owner, so a `pmax` decides before it (one
+  `lax.cond`). The routes only read the maps and return batch-sized writes, applied
+  outside any lax.cond (XLA:CPU copied table-sized buffers updated inside a cond branch
+  whole), and dropped in a step to redo. The broadcast fallback, whose writes span the
+  R S n ids of the global batch against the owner route's R S C, runs in a loop taken
   once or never (`lax.while_loop` updates its carried buffers in place), so the common
   step neither pads its writes to the fallback's size nor scans them.
   """
@@ -609,42 +613,47 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   def broadcast(subs):
     got = [_route_broadcast(plan, t, m, x, step, update)
            for t, m, x in zip(ts, maps_of(subs), xs)]
-    return apply(subs, got), [(r, c) for r, c, _ in got]
+    counts = jax.lax.psum(jnp.stack([c for _, c, _ in got]), "shard")    # (T, 7)
+    return apply(subs, got), [(r, c) for (r, _, _), c in zip(got, counts)]
 
   if not _by_owner(plan):
     return (*broadcast(subs), None, jnp.bool_(True))
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
-  if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
-    runs = jax.lax.psum(runs, "shard")
-  over = vma.pmax(jnp.any(runs > jnp.asarray(caps)[:, None]).astype(jnp.int32), BATCH) > 0
-
-  def by_owner(maps):
-    if plan.rw_exchange != "ragged":
-      return _route_a2a(plan, ts, maps, xs, step, update, caps, owned)
-    native = ragged.is_native(plan.mesh)
-    return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
-            for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
-
   rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
+  if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
+    over = vma.pmax(jnp.any(jax.lax.psum(runs, "shard") > jnp.asarray(caps)[:, None])
+                    .astype(jnp.int32), BATCH) > 0
+    native = ragged.is_native(plan.mesh)
 
-  def nothing(maps):   # overflow: the fallback below resolves; same shapes, no writes
-    out = jax.eval_shape(by_owner, maps)
-    return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
-             tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))),
-             jnp.bool_(True)) for (r, c, dec, _), p in zip(out, rps)]
+    def by_owner(maps):
+      return [_route_ragged(plan, t, m, x, step, update, M, local, edges, native)
+              for t, m, x, M, (local, edges) in zip(ts, maps, xs, caps, owned)]
 
-  got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
-  redo = over
+    def nothing(maps):   # overflow: the fallback below resolves; same shapes, no writes
+      out = jax.eval_shape(by_owner, maps)
+      return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
+               tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))),
+               jnp.bool_(True)) for (r, c, dec, _), p in zip(out, rps)]
+
+    got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
+    flag = jnp.bool_(False)
+  else:   # the padded route: a pair past its C sends its first C ids; flagged, redone
+    got = _route_a2a(plan, ts, maps_of(subs), xs, step, update, caps, owned)
+    over, flag = jnp.bool_(False), jnp.any(runs > jnp.asarray(caps)[:, None])
   slots = [plan.num_replicas * (c if plan.rw_exchange == "ragged" else plan.num_shards * c)
            for c in caps]                                                  # per owner
   if any(_distinct_cap(plan, t, x) < k for t, x, k in zip(ts, xs, slots)):
-    # an owner past its `_distinct_cap`: redo the step too
-    short = jnp.any(jnp.stack([~f for *_, f in got])).astype(jnp.int32)
-    redo = over | (vma.pmax(short, BATCH) > 0)
-    got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
-           for (r, c, (upd, hi, lo, cnt, reset), f), p in zip(got, rps)]
+    flag = flag | jnp.any(jnp.stack([~f for *_, f in got]))   # an owner past its cap
+  # one psum: the counters (the same on every replica: divided by R) and the flags
+  both = jnp.concatenate([jnp.stack([c for _, c, *_ in got]).reshape(-1),
+                          flag.astype(jnp.int32)[None]])
+  both = jax.lax.psum(vma.to_varying(both, BATCH), BATCH)
+  counts = both[:-1].reshape(len(ts), -1) // plan.num_replicas             # (T, 7)
+  redo = over | (both[-1] > 0)
+  got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
+         for (r, _, (upd, hi, lo, cnt, reset), f), c, p in zip(got, counts, rps)]
   subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
                                     (redo, subs, out))
@@ -762,9 +771,8 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     subs, got, invs, redo = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys,
                                    update)
     new = dict(zip(bufs, subs))
-    allc = jax.lax.psum(jnp.stack([c for _, c in got]), "shard")            # (tables, 7)
     for i, t in enumerate(names):
-      fs, r, c = feats[t], got[i][0], allc[i]
+      fs, (r, c) = feats[t], got[i]
       if update:
         new[bufs[i]]["map_used"] = sub[bufs[i]]["map_used"] + c[6]
         counters[t] = dict(zip(_RESOLVED, c[:6]), used=new[bufs[i]]["map_used"],
