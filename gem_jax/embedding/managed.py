@@ -388,6 +388,13 @@ def _placed_before(keys, K: int):
   return before
 
 
+def _only_index(mask):
+  """k of the one True in each row of mask (M, K) (0 where none): sum_k k [mask_k], a plain
+  sum where argmax is a variadic (value, index) reduce. Rows hold at most one True (a raw id
+  keys at most one row of its window: `check_canonical_map`; places are distinct)."""
+  return jnp.sum(jnp.where(mask, jnp.arange(mask.shape[1], dtype=jnp.int32), 0), axis=1)
+
+
 def _window_or(claimed, wseg):
   """taken (M, K) bool: candidate k of the window is claimed by some distinct id of it. The
   claims of a window's ids are disjoint (a row keys one id), so they travel as bit masks:
@@ -438,10 +445,10 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   same = mine[:, None] & (m_hi >= 0) & (m_hi == d_hi[:, None]) & (m_lo == d_lo[:, None])
   match = same & live                                                      # (M, K)
   hit = jnp.any(match, axis=1)
-  hit_k = jnp.argmax(match, axis=1).astype(jnp.int32)
+  hit_k = _only_index(match)
   own = same & ~live                             # the id's own expired entry (TTL only)
   back = jnp.any(own, axis=1) & ~hit             # it takes that row back: no duplicate key
-  own_k = jnp.argmax(own, axis=1).astype(jnp.int32)
+  own_k = _only_index(own)
 
   def by_position(local):                       # local row per distinct id -> global per input
     return jnp.where(local >= 0, shard * rps + local, -1)[inv]
@@ -461,14 +468,14 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   place = jnp.sum(_placed_before(_victim_keys(t, cls, m_last, m_cnt), K), axis=2)  # (M, K)
   free = jnp.sum(cls < 3, axis=1)
   put = miss & (rank < free)
-  vic_k = jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
-  vic_cls = jnp.take_along_axis(cls, vic_k[:, None], axis=1)[:, 0]
+  vic = place == rank[:, None]                  # (M, K) one candidate per miss put
+  vic_k, vic_cls = _only_index(vic), jnp.sum(jnp.where(vic, cls, 0), axis=1)
   local = jnp.where(hit, base + hit_k, jnp.where(
       back, base + own_k, jnp.where(put, base + vic_k, -1)))              # (M,)
 
   new = put | back
   upd = jnp.where(hit | new, local, rps)                                   # rps: dropped
-  cnt = jnp.where(hit, jnp.take_along_axis(m_cnt, hit_k[:, None], axis=1)[:, 0], 0) + occ
+  cnt = jnp.sum(jnp.where(match, m_cnt, 0), axis=1) + occ
   reset = jnp.where(new, local, rps)                                       # rows re-initialised
   counts = jnp.stack([jnp.sum(v.astype(jnp.int32)) for v in (
       mine, hit, new, put & (vic_cls == 2), back | (put & (vic_cls == 1)), miss & ~put,
@@ -604,17 +611,17 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   def maps_of(subs):
     return [{k: sub[k] for k in _MAP_ROWS} for sub in subs]
 
-  def apply(subs, got):
+  def apply(subs, got, chunk_map):
     if not update:
       return subs
-    return [_apply_writes(plan, t, sub, got_t[2], step, key, _write_width(got_t[2][0].shape[0]))
-            for t, sub, got_t, key in zip(ts, subs, got, keys)]
+    return [_apply_writes(plan, t, sub, got_t[2], step, key, _write_width(got_t[2][0].shape[0]),
+                          chunk_map) for t, sub, got_t, key in zip(ts, subs, got, keys)]
 
   def broadcast(subs):
     got = [_route_broadcast(plan, t, m, x, step, update)
            for t, m, x in zip(ts, maps_of(subs), xs)]
     counts = jax.lax.psum(jnp.stack([c for _, c, _ in got]), "shard")    # (T, 7)
-    return apply(subs, got), [(r, c) for (r, _, _), c in zip(got, counts)]
+    return apply(subs, got, True), [(r, c) for (r, _, _), c in zip(got, counts)]
 
   if not _by_owner(plan):
     return (*broadcast(subs), None, jnp.bool_(True))
@@ -654,7 +661,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   redo = over | (both[-1] > 0)
   got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
          for (r, _, (upd, hi, lo, cnt, reset), f), c, p in zip(got, counts, rps)]
-  subs, out = apply(subs, got), [(r, c) for r, c, *_ in got]
+  subs, out = apply(subs, got, False), [(r, c) for r, c, *_ in got]
   _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
                                     (redo, subs, out))
   return subs, out, [inv for (inv, *_), _ in owned], redo
@@ -705,10 +712,15 @@ def _chunks(valid, width: int, body, carry):
   return jax.lax.while_loop(lambda c: c[0] * width < csum[-1], step, (jnp.int32(0), carry))[1]
 
 
-def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key, width: int):
+def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key, width: int,
+                  chunk_map: bool):
   """The route's writes (`_owner_resolve`, padded to N slots, rps: none) into this owner's
   buffers: the map rows written (key, last = step, count), and the rows taken by new ids
-  restarted (fresh weights from `_fresh_rows`, default optimizer slots)."""
+  restarted (fresh weights from `_fresh_rows`, default optimizer slots), `width` at a time
+  by their count (`_chunks`): a step of hits draws no fresh rows. The map writes go in one
+  scatter per leaf over the N slots (the owner route: N ~ its distinct ids, most of them
+  written: hits and inserts), or by the count too with `chunk_map` (the broadcast route: N
+  = the global batch's slots, ~1/S of them this owner's)."""
   upd, hi, lo, cnt, reset = dec          # (N,) each; a row re-initialised is also a map write
   rps = plan.buffers[plan.buffer_of[t.name]].local_rows
   shard = jax.lax.axis_index("shard")
@@ -717,18 +729,26 @@ def _apply_writes(plan: EmbeddingPlan, t: TableConfig, st: dict, dec, step, key,
   acc0 = plan.buffers[plan.buffer_of[t.name]].optimizer.initial_accumulator
   default = {"weight": None, "accumulator": acc0, "m": 0.0, "v": 0.0}
 
-  def write(sel, b):   # sel: the next `width` map writes; the rows re-initialised are among them
-    u, r = at(upd, sel, rps), at(reset, sel, rps)                          # (width,) rps: drop
-    fresh = _fresh_rows(t, key, shard * rps + jnp.minimum(r, rps - 1))     # (width, D)
-    rows = {k: b[k].at[r].set(fresh.astype(b[k].dtype) if default[k] is None else default[k],
-                              mode="drop") for k in default if k in b}
-    return {"map_hi": b["map_hi"].at[u].set(at(hi, sel), mode="drop"),
-            "map_lo": b["map_lo"].at[u].set(at(lo, sel), mode="drop"),
+  def map_write(u, h, lo_, c, b):   # u (w,): map rows (rps: drop)
+    return {"map_hi": b["map_hi"].at[u].set(h, mode="drop"),
+            "map_lo": b["map_lo"].at[u].set(lo_, mode="drop"),
             "map_last": b["map_last"].at[u].set(jnp.broadcast_to(step, u.shape), mode="drop"),
-            "map_count": b["map_count"].at[u].set(at(cnt, sel), mode="drop"), **rows}
+            "map_count": b["map_count"].at[u].set(c, mode="drop")}
 
-  keys = (*_MAP_ROWS, *(k for k in default if k in st))
-  return {**st, **_chunks(upd != rps, width, write, {k: st[k] for k in keys})}
+  def map_chunk(sel, b):
+    return map_write(at(upd, sel, rps), at(hi, sel), at(lo, sel), at(cnt, sel), b)
+
+  def row_chunk(sel, b):   # sel: the next `width` rows re-initialised
+    r = at(reset, sel, rps)                                                # (width,) rps: drop
+    fresh = _fresh_rows(t, key, shard * rps + jnp.minimum(r, rps - 1))     # (width, D)
+    return {k: b[k].at[r].set(fresh.astype(b[k].dtype) if default[k] is None else default[k],
+                              mode="drop") for k in b}
+
+  maps = {k: st[k] for k in _MAP_ROWS}
+  maps = (_chunks(upd != rps, width, map_chunk, maps) if chunk_map
+          else map_write(upd, hi, lo, cnt, maps))
+  rows = _chunks(reset != rps, width, row_chunk, {k: st[k] for k in default if k in st})
+  return {**st, **maps, **rows}
 
 
 def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update: bool = True,
