@@ -510,8 +510,9 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   once: one all_to_all of (S, sum C, 3) (table t's C per (device, owner) pair side by
   side), gathered over 'replica' (each owner sees its windows' ids of the whole batch),
   resolved table by table, rows sent back by one all_to_all of (S, sum C) along the same
-  routes. `owned`: `_owners(plan, t, x)` per table. Returns [(rows (n,), counts, writes)]
-  per table, the writes (`_owner_resolve`'s) over the R S C slots resolved.
+  routes. `owned`: `_owners(plan, t, x)` per table. Returns [(rows (n,) of the device's
+  distinct ids in `_owners` order (-1: none; `rows[inv]` per id slot), counts, writes)] per
+  table, the writes (`_owner_resolve`'s) over the R S C slots resolved.
     Example (S = 2, tables u with C = 3 and v with C = 2): device 0 sends owner 1 the
     row [u0 u1 u2 v0 v1] of (hi, lo, count) triples (its runs padded with hi = -1); owner 1
     resolves slots [:, 0:3] against u's map and [:, 3:5] against v's."""
@@ -539,7 +540,7 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
     o = jnp.minimum(owner, S - 1)
     pos = jnp.arange(x.shape[0], dtype=jnp.int32) - edges[o]               # (n,) place in run
     d_row = jnp.where(owner < S, back[o, offs[i] + jnp.clip(pos, 0, Cs[i] - 1)], -1)
-    out.append((d_row[inv], *got[i]))
+    out.append((d_row, *got[i]))
   return out
 
 
@@ -560,7 +561,7 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
   mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
   back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
   d_row = jnp.where(owner < plan.num_shards, back, -1)
-  return d_row[inv], counts, dec, fits
+  return d_row, counts, dec, fits
 
 
 def _distinct_cap(plan: EmbeddingPlan, t: TableConfig, x) -> int:
@@ -592,7 +593,8 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   with the writes applied (unchanged unless `update`), [(rows (n,), counts (7,) summed over
   the owners)] per table, [the requester's distinct index of each id (n,) (`_owners`)] per
   table or None when no route deduplicates by owner, whether the step was resolved by
-  broadcast (bool scalar, the same on every device)).
+  broadcast (bool scalar, the same on every device)). The rows are those of the device's
+  distinct ids (`rows[inv]` per id slot) when by owner, else of its id slots.
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
@@ -662,9 +664,14 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
          for (r, _, (upd, hi, lo, cnt, reset), f), c, p in zip(got, counts, rps)]
   subs, out = apply(subs, got, False), [(r, c) for r, c, *_ in got]
-  _, subs, out = jax.lax.while_loop(lambda c: c[0], lambda c: (False, *broadcast(c[1])),
-                                    (redo, subs, out))
-  return subs, out, [inv for (inv, *_), _ in owned], redo
+  invs = [inv for (inv, *_), _ in owned]
+
+  def redo_by_broadcast(c):   # the broadcast's rows per slot -> per distinct id
+    subs, out = broadcast(c[1])
+    return False, subs, [(jnp.full(r.shape, -1, r.dtype).at[inv].set(r), n)
+                         for (r, n), inv in zip(out, invs)]
+  _, subs, out = jax.lax.while_loop(lambda c: c[0], redo_by_broadcast, (redo, subs, out))
+  return subs, out, invs, redo
 
 
 def _feature_distinct(d_row, inv, start: int, size: int):
@@ -680,7 +687,9 @@ def _feature_distinct(d_row, inv, start: int, size: int):
     -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2]."""
   n = d_row.shape[0]
   mine = inv[start:start + size]                                           # (size,)
-  used = jnp.zeros((n,), bool).at[mine].set(True) & (d_row >= 0)
+  used = d_row >= 0
+  if size < n:   # else the table's only feature: every distinct id is one of its
+    used = jnp.zeros((n,), bool).at[mine].set(True) & used
   pos = (jnp.cumsum(used) - 1).astype(jnp.int32)                           # place in uniq
   uniq = jnp.full((size,), _BIG, jnp.int32).at[jnp.where(used, pos, size)].set(
       d_row, mode="drop")
@@ -797,8 +806,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
         new[bufs[i]]["map_used"] = sub[bufs[i]]["map_used"] + c[6]
         counters[t] = dict(zip(_RESOLVED, c[:6]), used=new[bufs[i]]["map_used"],
                            broadcast=redo.astype(jnp.int32))
-      if with_distinct:   # the row of each distinct id: all its slots got the same
-        d_row = jnp.full(r.shape, -1, jnp.int32).at[invs[i]].set(r)        # (n,)
+      d_row, r = (r, r[invs[i]]) if invs else (None, r)     # (n,) per distinct id, per slot
       off = 0
       for f in fs:
         b, bag = raw[f].shape[:2]
