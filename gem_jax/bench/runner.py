@@ -130,7 +130,7 @@ def gpu_matmul_probe(dtype=jnp.bfloat16, n: int = 8192, repeats: int = 10) -> fl
 
 def _cpu_probe(dtype: str) -> float:
   """A fresh (uncached) CPU matmul probe over the local CPU devices, best of 20."""
-  return report.matmul_probe_flops.__wrapped__(report.cpu_probe_dtype(dtype), repeats=20)
+  return report.matmul_probe_flops.__wrapped__(report.cpu_probe_dtype(dtype))
 
 
 def peaks(dtype: str) -> dict[str, Any]:

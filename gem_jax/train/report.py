@@ -248,14 +248,15 @@ def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float 
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_probe_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5,
+def matmul_probe_flops(dtype: str = "float32", n: int = 1024, repeats: int = 20,
                        devices=None) -> float:
   """Measured matmul FLOP/s per device, all `devices` busy at once.
 
   Runs one (n, n) @ (n, n) product on every device concurrently (a batched
   matmul sharded over the devices), so that simulated devices sharing the
   same cores each get their fair share: per-device peak = 2 n^3 D / t / D,
-  best of `repeats` timed runs after a warm-up. Default devices: the local
+  best of `repeats` timed runs after a warm-up (20: a best of 5 once read 170 GFLOP/s
+  where the same cores give 300-335, and an under-read peak overstates the MFU). Default devices: the local
   CPU devices (the MFU denominator on CPU); GPUs: e.g. one device, n = 8192, bf16.
   Cached per arguments, so `devices` must be a tuple.
   """
