@@ -64,6 +64,7 @@ from gem_jax.embedding import managed, ragged
 from gem_jax import vma
 from gem_jax.embedding.optimizers import distinct_rows
 from gem_jax.embedding.plan import BATCH, EmbeddingPlan, Unit
+from gem_jax.embedding.layout import NO_ROW
 
 DEV = P("replica", "shard")   # spec of per-device leaves (rows, ctx): (R, S, ...)
 
@@ -142,7 +143,6 @@ def _tw_pool(plan, u: Unit, rows, row_idx, weights):
 
 
 # ---- row_wise ----------------------------------------------------------------------
-NO_ROW = jnp.iinfo(jnp.int32).max   # sorts after every row: the padding of distinct-row lists
 
 
 def rw_distinct(ids):

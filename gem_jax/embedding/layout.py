@@ -10,6 +10,8 @@ from typing import Sequence
 
 from jax.sharding import PartitionSpec as P
 
+NO_ROW = 2 ** 31 - 1   # int32 max: sorts after every row; the padding of distinct-row lists
+
 
 def ceil_div(a: int, b: int) -> int:
   return -(-a // b)

@@ -98,12 +98,13 @@ from jax.sharding import PartitionSpec as P
 from gem_jax.embedding import ragged
 from gem_jax import vma
 from gem_jax.embedding.config import TableConfig
+from gem_jax.embedding.layout import NO_ROW
 from gem_jax.embedding.plan import BATCH, MAP_LEAVES, EmbeddingPlan
 
 COUNTERS = ("ids", "hits", "inserts", "evictions", "expired", "collisions", "used",
             "broadcast")
 _RESOLVED = COUNTERS[:6]   # counted by `_owner_resolve`, summed over the owners
-_BIG = np.iinfo(np.int32).max
+_BIG = NO_ROW   # padding of keys, leads and distinct rows (`gather_rows` takes NO_ROW padding)
 _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
 _MAP_ROWS = tuple(k for k in MAP_LEAVES if k != "map_used")   # the per-row map leaves
@@ -682,7 +683,7 @@ def _feature_distinct(d_row, inv, start: int, size: int):
   [start, start + size) -> (uniq (size,): the rows
   of the feature's distinct ids in owner order (a row keys one id, so they are distinct
   rows; not ascending within an owner, which the row-wise routes do not need), `_BIG`
-  (`exchange.NO_ROW`) padded; the position in uniq of each of its slots (size,)).
+  (`layout.NO_ROW`) padded; the position in uniq of each of its slots (size,)).
     Example: d_row [9, 2, -1, -1], inv [0, 1, 0, 2], one feature (slot rows [9, 2, 9, -1])
     -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2]."""
   n = d_row.shape[0]
