@@ -52,15 +52,16 @@ It resolves its windows (above) and the rows go back by the reverse exchange.
   finds 9 in row 3 (a hit, count += 2) and inserts 7 into the free row 2; shard 1
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
   up by the ordinary row-wise exchange.
-When some pair of some table has more than C distinct ids anywhere (ragged: some owner
-more than M; one `pmax`), or some owner more distinct ids than it keeps (a second
-`pmax`, after the route, when some table's cap is below its slots), the step is resolved
-by broadcast for every table instead (`_route_broadcast`, exact for any skew): the global
-batch's ids all-gathered, every owner resolves its windows, one `psum` over 'shard' gives
-every device the row of every id. It runs in a `while_loop` taken once or never, after
-the by-owner route's writes (none in such a step), so the common step carries no
-fallback-sized buffers. Both paths give the same rows and maps (tested). The `pmax` (or
-two) and one `psum` (the counters) serve all managed tables.
+When some pair of some table has more than C distinct ids anywhere (the padded route
+sends its first C and the device flags the step; ragged: some owner more than M, one
+`pmax` before the route), or some owner more distinct ids than it keeps (flagged after
+the route, when some table's cap is below its slots), the step is resolved by broadcast
+for every table instead (`_route_broadcast`, exact for any skew): the global batch's ids
+all-gathered, every owner resolves its windows, one `psum` over 'shard' gives every
+device the row of every id. It runs in a `while_loop` taken once or never, after the
+by-owner route's writes (dropped in such a step), so the common step carries no
+fallback-sized buffers. Both paths give the same rows and maps (tested). One `psum` (the
+flags and the counters; ragged: and the `pmax`) serves all managed tables.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
