@@ -240,26 +240,46 @@ def test_id_stats_of_a_managed_table_count_raw_ids_and_cap_the_owners():
     assert _most_per_owner(plan, host) <= cap                             # no redo needed
 
 
+def _one_feature_each_plan(mesh, exchange):
+  """Tables "u" and "v", one feature each (the resolve's distinct rows of a table's only
+  feature: `managed._feature_distinct` without its membership scatter); "v"'s routes are
+  sized for 2 distinct ids per (device, owner), so busy steps take the broadcast path."""
+  tables = [TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K),
+            TableConfig("v", rows=ROWS, dim=4, id_policy="managed", probe=K)]
+  return plan_embeddings(tables, [FeatureConfig("u", "u", bag=2), FeatureConfig("v", "v", bag=3)],
+                         mesh, batch_size=B, rw_exchange=exchange,
+                         optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1),
+                         distinct_share={"v": 0.02})
+
+
+@pytest.mark.parametrize("tables", ["shared", "one_feature_each"])
 @pytest.mark.parametrize("exchange", ["a2a", "ragged"])
-def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange):
+def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, tables):
   """`gather_rows` with the resolve's distinct rows (no sort, owner order) gives the same
   embeddings, gradients and updated tables, bit for bit, as with its own deduplication
-  (`rw_distinct`), over a stream with inserts, evictions and ids left without a row."""
-  plan = _plan(make_mesh(2, 4), "lru", 0, exchange)
+  (`rw_distinct`), over a stream with inserts, evictions and ids left without a row: two
+  features of one table, or one feature per table with steps redone by broadcast."""
+  mesh = make_mesh(2, 4)
+  plan = _plan(mesh, "lru", 0, exchange) if tables == "shared" else _one_feature_each_plan(
+      mesh, exchange)
   f = lambda e: e * jnp.cos(e)  # noqa: E731  (a gradient that differs per row)
   fast, slow = _step_fn(plan, f=f), _step_fn(plan, distinct=False, f=f)
   a, b = (init_embedding_state(plan, jax.random.key(0)) for _ in range(2))
-  collisions = 0
+  collisions, broadcast = 0, 0
   for step, host in enumerate(_stream(19, 6)):
+    if tables != "shared":
+      host = {"u": host["u"], "v": host["u_hist"]}
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     a, rows_a, counters = fast(a, ids, step)
     b, rows_b, _ = slow(b, ids, step)
-    collisions += int(counters["u"]["collisions"])
+    collisions += sum(int(c["collisions"]) for c in counters.values())
+    broadcast += int(counters["u"]["broadcast"])
     assert all(np.array_equal(rows_a[f], rows_b[f]) for f in rows_a)
     for buf in a:
       for k in a[buf]:
         np.testing.assert_array_equal(np.asarray(a[buf][k]), np.asarray(b[buf][k]), err_msg=k)
   assert collisions > 0
+  assert (broadcast > 0) == (tables != "shared")
 
 
 def test_fresh_rows_follow_the_initializer_per_row():
