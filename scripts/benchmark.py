@@ -5,6 +5,7 @@
   python scripts/benchmark.py --config dcn_peer --devices 1 --peer torchrec --json
   python scripts/benchmark.py --config medium --set model.fp8=True --json
   python scripts/benchmark.py --config small --devices 1 --matmul-ceiling
+  python scripts/benchmark.py --config dcn_peer --devices 1 --matmul-ceiling --peer torchrec
   python scripts/benchmark.py --config medium --devices 1 --input device --json
 
 Prints a readable table (stderr) and, with --json, one JSON line per run on
@@ -14,7 +15,9 @@ alternate (never concurrently) --repeat times, on the same arrays and in the sam
 precision (gem_jax bf16 compute -> the peer's `--autocast bf16`, fp32 -> off;
 --peer-autocast to choose); the summary line holds the medians and the ratio
 gem_jax / TorchRec of examples/s, the precision of each side, and the load average
-of every run. Fields: see gem_jax/bench/runner.py. Host memory uses transparent
+of every run. --matmul-ceiling with --peer also times the dense part's dots in torch
+(benchmarks/torchrec/matmul.py, same shapes, dtype and threads): which side's
+matmul kernels are faster, apart from everything else in the step. Fields: see gem_jax/bench/runner.py. Host memory uses transparent
 huge pages for both sides unless --no-hugepages (gem_jax/hostmem.py).
 
 Input (--input, JSON field `input`): `host` (default) cycles a pool of --pool
@@ -57,7 +60,8 @@ def parse_args(argv=None):
   p.add_argument("--no-dense-part", action="store_true", help="skip the dense-only timing")
   p.add_argument("--matmul-ceiling", action="store_true",
                  help="time every dot of the dense part alone: the MFU its shapes allow "
-                      "(one device; gem_jax/bench/matmul_ceiling.py)")
+                      "(one device; gem_jax/bench/matmul_ceiling.py); with --peer, torch "
+                      "times the same dots (benchmarks/torchrec/matmul.py)")
   p.add_argument("--dump-hlo", default=None, help="write the compiled step's HLO text here")
   p.add_argument("--trace", default=None, metavar="DIR",
                  help="after the timing, a jax.profiler trace of 3 more steps into DIR and "
@@ -160,6 +164,12 @@ def main(argv=None):
       out.update(name=name, repeat=r, loadavg_after=runner.timing.loadavg())
       emit(out)
       print(report_table.format_peer(out), file=sys.stderr, flush=True)
+      if res.get("matmul_dots"):  # the same dots timed by torch (oneDNN) in the peer's venv
+        m = peer_lib.matmul_side_by_side(res["matmul_dots"], peer_lib.peer_dot_times(
+            res["matmul_dots"], threads=args.peer_threads, python=args.peer_python))
+        m.update(name=name, repeat=r)
+        emit(m)
+        print(report_table.format_matmul_side_by_side(m), file=sys.stderr, flush=True)
   if args.peer:
     summary = report_table.side_by_side(rows)
     summary["precision"] = precision

@@ -4,9 +4,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
+from gem_jax.bench import matmul_ceiling as mc
 from gem_jax.bench import network, peer, peer_data, report_table, timing
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -235,6 +237,60 @@ def test_peer_command_flags_are_the_scripts_flags():
                                                                           512, 32)
 
 
+def _peer_matmul_module():
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("_trmatmul", peer.PEER_MATMUL_SCRIPT)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)  # torch is imported only in main()
+  return mod
+
+
+@pytest.mark.parametrize("lhs,rhs,dims", [
+    ((6, 5), (5, 4), (((1,), (0,)), ((), ()))),            # x @ w
+    ((6, 5), (6, 4), (((0,), (0,)), ((), ()))),            # x^T g: contract the rows
+    ((6, 5), (4, 5), (((1,), (1,)), ((), ()))),            # g w^T
+    ((3, 6, 5), (3, 5, 4), (((2,), (1,)), ((0,), (0,)))),  # batched
+    ((6, 3, 5), (5, 3, 4), (((2,), (0,)), ((1,), (1,)))),  # batch axis in the middle
+])
+def test_peer_matmul_einsum_is_the_dot_general(lhs, rhs, dims):
+  """The peer times each traced dot as an einsum: the same contraction, same output layout."""
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  k1, k2 = jax.random.split(jax.random.key(1))
+  a, b = jax.random.normal(k1, lhs), jax.random.normal(k2, rhs)
+  d = mc.DotShape(lhs, rhs, "float32", "float32", dims, None).as_dict()
+  spec = _peer_matmul_module().einsum_spec(len(d["lhs"]), len(d["rhs"]), d["contract"],
+                                            d["batch"])
+  np.testing.assert_allclose(np.einsum(spec, np.asarray(a), np.asarray(b)),
+                             lax.dot_general(a, b, dims), rtol=1e-5, atol=1e-5)
+  assert d["flops"] == 2 * np.prod(lax.dot_general(a, b, dims).shape) * lhs[dims[0][0][0]]
+  with pytest.raises(ValueError, match="differ in length"):
+    _peer_matmul_module().einsum_spec(2, 2, [[1], []], [[], []])
+
+
+def test_peer_dot_times_keeps_the_order_and_totals(monkeypatch, tmp_path):
+  """The peer's per-dot times come back in order; totals count only dots both sides timed."""
+  fake = tmp_path / "matmul.py"  # stands in for benchmarks/torchrec/matmul.py: ms = lhs[0]
+  fake.write_text("import json, sys\n"
+                  "d = json.load(open(sys.argv[1]))\n"
+                  "print(json.dumps({'dots': [dict(x, ms=None if x['dtype'] is None else "
+                  "float(x['lhs'][0])) for x in d]}))\n")
+  monkeypatch.setattr(peer, "PEER_MATMUL_SCRIPT", str(fake))
+  dots = [dict(mc.DotShape((m, 8), (8, 4), dt, dt, (((1,), (0,)), ((), ())), None).as_dict(),
+               count=c, ms=ms)
+          for m, dt, c, ms in ((2, "bfloat16", 3, 1.0), (5, "float32", 1, 4.0),
+                               (7, "float32", 2, 1.0))]
+  dots[2]["dtype"] = None  # mixed operands: the peer has no like for it
+  got = peer.peer_dot_times(dots, python=sys.executable)
+  assert got == [2.0, 5.0, None]
+  m = peer.matmul_side_by_side(dots, got)
+  assert m["gem_jax_dot_ms"] == pytest.approx(3 * 1.0 + 4.0)
+  assert m["torch_dot_ms"] == pytest.approx(3 * 2.0 + 5.0)
+  assert m["ratio"] == pytest.approx(7.0 / 11.0) and m["untimed_by_peer"] == 1
+  assert [r["count"] for r in m["rows"]] == [1, 3, 2]  # by gem_jax ms per step: 4, 3, 2
+  assert "dots alone, ms per step: gem_jax (XLA) 7.00, torch 11.00, ratio 0.64" in (
+      report_table.format_matmul_side_by_side(m))
+
+
 def test_peer_python_env_override(monkeypatch):
   monkeypatch.setenv("GEM_JAX_TORCHREC_PYTHON", "/custom/python")
   assert peer.peer_command()[0] == "/custom/python"
@@ -278,6 +334,17 @@ def test_torchrec_bench_runs(interaction, autocast):
   assert r["own_busy_cores"] > 0 and r["other_busy_cores"] is not None
   assert np.all(np.isfinite(r["losses"]))
   assert min(r["losses"][-4:]) < r["loss_first"]  # 8 steps on 4 cycled batches: it learns
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(TORCHREC_PY), reason=f"no TorchRec venv at {TORCHREC_PY} "
+                    "(bash benchmarks/torchrec/setup.sh, or set GEM_JAX_TORCHREC_PYTHON)")
+def test_peer_matmul_times_real_dots():
+  """benchmarks/torchrec/matmul.py in the venv: a time per dot, bigger dots take longer."""
+  def dot(m, dt):
+    return mc.DotShape((m, 256), (256, 256), dt, dt, (((1,), (0,)), ((), ())), None).as_dict()
+  ms = peer.peer_dot_times([dot(64, "float32"), dot(4096, "float32"), dot(512, "bfloat16")])
+  assert all(t > 0 for t in ms) and ms[1] > ms[0]
 
 
 # ----------------------------------------------------------- timing / tables --

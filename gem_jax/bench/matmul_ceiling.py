@@ -60,6 +60,17 @@ class DotShape:
                                      math.prod(self.rhs[d] for d in rb))
     return 2 * batch * free_l * free_r * contract
 
+  def as_dict(self) -> dict[str, Any]:
+    """JSON form (benchmarks/torchrec/matmul.py reads it): shapes, dimension numbers, dtype.
+
+    `dtype` is the operands' dtype, None when they differ (no like-for-like peer dot).
+    """
+    (lc, rc), (lb, rb) = self.dimension_numbers
+    return {"lhs": list(self.lhs), "rhs": list(self.rhs),
+            "contract": [list(lc), list(rc)], "batch": [list(lb), list(rb)],
+            "dtype": self.lhs_dtype if self.lhs_dtype == self.rhs_dtype else None,
+            "flops": self.flops}
+
   def describe(self) -> str:
     """'(17408, 32) x (32, 96) f32, contract (1,)x(0,)'."""
     (lc, rc), (lb, rb) = self.dimension_numbers

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ from gem_jax.data.spec import DataSpec, SparseFeatureSpec
 NUM_DENSE = peer_data.NUM_DENSE
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER_SCRIPT = os.path.join(_REPO, "benchmarks", "torchrec", "bench.py")
+PEER_MATMUL_SCRIPT = os.path.join(_REPO, "benchmarks", "torchrec", "matmul.py")
 SETUP_HINT = "bash benchmarks/torchrec/setup.sh"
 DEFAULT_VENV_PYTHON = os.path.join("~", ".cache", "gem_jax", "torchrec-venv", "bin", "python")
 
@@ -208,6 +210,52 @@ def parse_peer_output(stdout: str) -> dict:
       except json.JSONDecodeError:
         continue
   raise ValueError(f"no JSON line in the peer's output: {stdout[-500:]!r}")
+
+
+def peer_dot_times(dots: Sequence[dict], *, threads: int = 2, python: str | None = None,
+                   timeout_s: float = 900.0) -> list[float | None]:
+  """torch's ms per call of each dot (`DotShape.as_dict()` form), in the peer's venv.
+
+  benchmarks/torchrec/matmul.py runs each as `torch.einsum` on the same shapes and
+  dtype with `threads` intra-op threads; None where the dtype has no torch like
+  (mixed operands). The order of `dots` is kept.
+  """
+  keys = ("lhs", "rhs", "contract", "batch", "dtype")
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump([{k: d[k] for k in keys} for d in dots], f)
+  try:
+    out = run_peer([peer_python(python), PEER_MATMUL_SCRIPT, f.name, "--threads", str(threads)],
+                   timeout_s)
+  finally:
+    os.unlink(f.name)
+  got = out["dots"]
+  if len(got) != len(dots):
+    raise RuntimeError(f"peer matmul timing: {len(got)} results for {len(dots)} dots")
+  return [g["ms"] for g in got]
+
+
+def matmul_side_by_side(dots: Sequence[dict], peer_ms: Sequence[float | None]) -> dict:
+  """Per-step dot time of both sides on the same shapes: sum of count x ms per call.
+
+  Only dots both sides timed count in the totals; `rows` are sorted by gem_jax's
+  total time per step (each: shape, count, both ms per step, gem_jax / torch).
+  """
+  rows = []
+  for d, t in zip(dots, peer_ms):
+    mine = d["count"] * d["ms"]
+    theirs = None if t is None else d["count"] * t
+    batch = (f", batch {tuple(d['batch'][0])}x{tuple(d['batch'][1])}" if d["batch"][0] else "")
+    rows.append({"shape": f"{tuple(d['lhs'])} x {tuple(d['rhs'])} {d['dtype']}, contract "
+                          f"{tuple(d['contract'][0])}x{tuple(d['contract'][1])}{batch}",
+                 "count": d["count"], "gem_jax_ms": mine, "torch_ms": theirs,
+                 "ratio": mine / theirs if theirs else None})
+  rows.sort(key=lambda r: -r["gem_jax_ms"])
+  both = [r for r in rows if r["torch_ms"] is not None]
+  g = sum(r["gem_jax_ms"] for r in both)
+  t = sum(r["torch_ms"] for r in both)
+  return {"summary": "matmul_side_by_side", "gem_jax_dot_ms": g, "torch_dot_ms": t,
+          "ratio": g / t if t else float("nan"), "untimed_by_peer": len(rows) - len(both),
+          "rows": rows}
 
 
 def run_peer(cmd: Sequence[str], timeout_s: float = 1800.0) -> dict:

@@ -68,6 +68,18 @@ def format_matmuls(top: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+def format_matmul_side_by_side(m: dict) -> str:
+  """Both sides' time for the same dots (`peer.matmul_side_by_side`), per step."""
+  lines = [f"  dots alone, ms per step: gem_jax (XLA) {m['gem_jax_dot_ms']:.2f}, torch "
+           f"{m['torch_dot_ms']:.2f}, ratio {m['ratio']:.2f} (> 1: torch's kernels faster)",
+           "  gem_jax ms  torch ms  ratio  count  shape"]
+  for r in m["rows"][:10]:
+    t = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.2f}"
+    q = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+    lines.append(f"  {r['gem_jax_ms']:10.2f} {t:>9} {q:>6} {r['count']:6d}  {r['shape']}")
+  return "\n".join(lines)
+
+
 def format_peer(p: dict) -> str:
   return (f"  torchrec ({p.get('emb_impl')}, {p.get('interaction')}, {p.get('threads')} threads): "
           f"{_num(p.get('examples_per_s'))} examples/s, step {_num(p.get('step_ms_median'), '{:.2f}')}"

@@ -226,10 +226,11 @@ def _matmul_ceiling(s, state, batch, step_flops_per_device, peak) -> dict[str, A
   c = matmul_ceiling.ceiling(matmul_ceiling.collect_dots(jaxpr), step_flops_per_device, peak)
   top = [{"shape": t.shape.describe(), "count": t.count, "ms_total": 1e3 * t.total_s,
           "gflops_per_s": t.flops_per_s / 1e9} for t in c["timings"][:10]]
+  dots = [dict(t.shape.as_dict(), count=t.count, ms=1e3 * t.seconds) for t in c["timings"]]
   return {"matmul_count": c["dot_count"], "matmul_shapes": c["dot_shapes"],
           "matmul_ms": c["dot_ms"], "matmul_flops_per_step": c["dot_flops"],
           "matmul_efficiency": c["dot_efficiency"], "dense_mfu_ceiling": c["mfu_ceiling"],
-          "matmul_top": top}
+          "matmul_top": top, "matmul_dots": dots}
 
 
 # --------------------------------------------------------------------- run --
