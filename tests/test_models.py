@@ -144,16 +144,23 @@ def test_student_teacher_embeddings_and_shared_modules():
   assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
 
 
-def test_dot_pairs_matches_gather_and_autodiff():
+# the backward's einsum (fp32; 20 tokens) and its unrolled form (bf16 with <= 16 tokens)
+@pytest.mark.parametrize("n,dtype", [(5, "float32"), (20, "bfloat16"), (5, "bfloat16")])
+def test_dot_pairs_matches_gather_and_autodiff(n, dtype):
   """dot_pairs (selection matmul, symmetric backward) = Z Z^T indexed, values and
-  gradients, for DLRM's strict upper triangle and for pairs with i == j and repeats."""
+  gradients, for DLRM's strict upper triangle and for pairs with i == j and repeats;
+  bf16 against the fp32 reference on the same bf16 values, to bf16's rounding."""
   from gem_jax.layers.pairs import dot_pairs
-  z = jnp.asarray(np.random.default_rng(0).normal(size=(32, 5, 8)), jnp.float32)
-  iu = np.triu_indices(5, k=1)
+  z = jnp.asarray(np.random.default_rng(0).normal(size=(32, n, 8)), dtype)
+  tol = 1e-5 if dtype == "float32" else 2e-2
+  iu = np.triu_indices(n, k=1)
   for rows, cols in [(iu[0], iu[1]), (np.array([0, 2, 2, 4, 1]), np.array([0, 3, 2, 1, 3]))]:
     rows, cols = tuple(int(i) for i in rows), tuple(int(j) for j in cols)
-    ref = lambda z: jnp.einsum("bid,bjd->bij", z, z)[:, np.asarray(rows), np.asarray(cols)]
-    np.testing.assert_allclose(dot_pairs(z, rows, cols), ref(z), rtol=1e-6, atol=1e-6)
+    ref = lambda z: jnp.einsum("bid,bjd->bij", z.astype(jnp.float32), z.astype(jnp.float32)
+                               )[:, np.asarray(rows), np.asarray(cols)]
+    np.testing.assert_allclose(dot_pairs(z, rows, cols), ref(z), rtol=tol / 10, atol=tol / 10)
     loss = lambda f: (lambda z: jnp.sum(jnp.sin(f(z))))
-    np.testing.assert_allclose(jax.grad(loss(lambda z: dot_pairs(z, rows, cols)))(z),
-                               jax.grad(loss(ref))(z), rtol=1e-5, atol=1e-5)
+    got = jax.grad(loss(lambda z: dot_pairs(z, rows, cols)))(z)
+    assert got.dtype == z.dtype
+    np.testing.assert_allclose(got.astype(jnp.float32), jax.grad(loss(ref))(z).astype(jnp.float32),
+                               rtol=tol, atol=tol)
