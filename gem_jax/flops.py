@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gem_jax.layers import cross
 from gem_jax.layers.hstu import hstu_flops  # noqa: F401
 from gem_jax.layers.interformer import interformer_flops, sequence_branch_flops  # noqa: F401
 from gem_jax.layers.mlp import mlp_flops
@@ -227,7 +228,9 @@ def dlrm_flops(cfg, spec, feature_dims: Mapping[str, int], interaction: str = "d
   """Forward FLOPs per example of `gem_jax.models.dlrm.DLRM` / `DCNv2`.
 
   dot: the full (T+1) x (T+1) Gram matrix is computed, 2 (T+1)^2 D.
-  dcn: per cross layer 4 N r (V then W), N = (T+1) D.
+  dcn: per cross layer 4 N r (V then W), N = (T+1) D; 2 N^2 where the layer runs the
+    product form (r > N / 2, `gem_jax.layers.cross`; its per-batch 2 N^2 r for U is
+    left out of this per-example count).
   """
   d = cfg.d_model
   names = [f.name for f in spec.pooled_features] + [f for s in spec.sequences
@@ -240,7 +243,9 @@ def dlrm_flops(cfg, spec, feature_dims: Mapping[str, int], interaction: str = "d
     width = d + t * (t + 1) // 2
   else:
     width = (t + 1) * d
-    out["interaction"] = cfg.dcn_layers * 4 * width * cfg.dcn_rank
+    per_layer = (2 * width * width if cross.resolve_form("auto", width, cfg.dcn_rank, cfg.fp8)
+                 == "product" else 4 * width * cfg.dcn_rank)
+    out["interaction"] = cfg.dcn_layers * per_layer
   out["top_mlp"] = mlp_flops(width, tuple(cfg.top_mlp) + (len(spec.tasks),))
   out["total"] = sum(out.values())
   return out

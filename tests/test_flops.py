@@ -13,7 +13,7 @@ from flax import nnx
 from gem_jax import flops
 from gem_jax.layers.mlp import MLP
 from gem_jax.layers.wukong import WukongLayer
-from gem_jax.models import DLRM, GEM, get_config, random_inputs, reference_spec
+from gem_jax.models import DCNv2, DLRM, GEM, get_config, random_inputs, reference_spec
 
 
 def _xla_flops(fn, *args):
@@ -50,6 +50,27 @@ def test_dlrm_flops_match_xla():
   xla = _xla_flops(lambda s, x: nnx.merge(graphdef, s)(x), state, random_inputs(spec, fd, 4)) / 4
   ana = flops.dlrm_flops(cfg, spec, fd)["total"]
   assert abs(xla - ana) / ana < 0.05, (xla, ana)
+
+
+@pytest.mark.parametrize("rank,form", [(512, "product"), (64, "low_rank")])
+def test_dcn_flops_match_xla_in_either_form(rank, form):
+  """DCNv2 on the TorchRec shape (N = 9 x 64 = 576): rank 512 runs (W V) x, rank 64 W (V x).
+
+  A large batch amortizes the product form's per-batch U = W V (2 N^2 r per layer),
+  which the per-example count leaves out (1.5 % of it at this batch).
+  """
+  spec = reference_spec(n_dense=13, n_sparse=8, streams=0)
+  cfg = get_config("dlrm_torchrec", dcn_layers=3, dcn_rank=rank)
+  fd = {f.name: 64 for f in spec.sparse}
+  model = nnx.eval_shape(lambda: DCNv2(cfg, spec, fd, rngs=nnx.Rngs(0)))
+  assert model.crossnet.form == form
+  graphdef, state = nnx.split(model)
+  b = 32768
+  xla = _xla_flops(lambda s, x: nnx.merge(graphdef, s)(x), state, random_inputs(spec, fd, b)) / b
+  ana = flops.dlrm_flops(cfg, spec, fd, "dcn")
+  n = 9 * 64
+  assert ana["interaction"] == 3 * (2 * n * n if form == "product" else 4 * n * rank)
+  assert abs(xla - ana["total"]) / ana["total"] < 0.05, (xla, ana)
 
 
 def test_formulas():

@@ -182,6 +182,17 @@ def _rm_bwd(dtype, res, g):
 
 row_major_matmul.defvjp(_rm_fwd, _rm_bwd)
 
+def matmul(x: jax.Array, w: jax.Array, dtype: Dtype) -> jax.Array:
+  """x @ w under the precision policy: operands in `dtype`, fp32 accumulation and result.
+
+  x: (..., K), w: (K, N) -> (..., N) fp32. The backward runs in `dtype` too
+  (`lowp_einsum`), with row-major operands on CPU in bf16 (`row_major_matmul`).
+  """
+  if use_row_major_backward(dtype):
+    return row_major_matmul(x, w, dtype)
+  return lowp_einsum("...k,kn->...n", x, w, dtype)
+
+
 @contextlib.contextmanager
 def _forced(cell: list, enabled: bool | None) -> Iterator[None]:
   prev, cell[0] = cell[0], enabled
@@ -259,10 +270,8 @@ class Dense(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.fp8:
       y = fp8_matmul(x.astype(self.dtype), self.kernel[...].astype(self.dtype))  # (..., N)
-    elif use_row_major_backward(self.dtype):
-      y = row_major_matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
     else:
-      y = lowp_einsum("...k,kn->...n", x, self.kernel[...], self.dtype)  # (..., N) fp32
+      y = matmul(x, self.kernel[...], self.dtype)  # (..., N) fp32
     if self.bias is not None:  # added in fp32: its gradient is then an fp32 sum over rows
       y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     y = y.astype(self.dtype)

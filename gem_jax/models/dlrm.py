@@ -7,6 +7,7 @@ Same input contract as GEM (see gem_jax/models/gem.py). With D = cfg.d_model:
   Z         = [dense_out; e_1; ...; e_T]                               (B, T+1, D)
   DLRM:   inter = concat(dense_out, triu_{+1}(Z Z^T) row-major)        (B, D + T(T+1)/2)
   DCNv2:  inter = CrossNet(flatten(Z)),  x <- x0 * (W_l (V_l x) + b_l) + x  (B, (T+1) D)
+          (run as (W_l V_l) x when that is fewer FLOPs, rank > (T+1) D / 2: layers/cross.py)
   logits  = Linear(ReLU-MLP(inter))        top_mlp..., then a linear layer to n_tasks
 
 This is exactly TorchRec's `DLRM` / `DLRM_DCN` forward (DenseArch, InteractionArch /
