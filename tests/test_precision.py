@@ -90,13 +90,14 @@ def _plain(x, w, dtype):
                     preferred_element_type=jnp.float32)
 
 
-def test_row_major_matmul_matches_autodiff():
+@pytest.mark.parametrize("n", [24, 12])  # dW as x^T g, and as (g^T x)^T when 2 N <= K
+def test_row_major_matmul_matches_autodiff(n):
   """Same forward; fp32 gradients equal autodiff's; in bf16 its gradients are no
   further from the fp32 ones than autodiff's bf16 gradients are, and dW stays fp32."""
   from gem_jax.layers.dense import row_major_matmul
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(64, 3, 40)), jnp.float32)   # (B, L, K): leading dims flattened
-  w = jnp.asarray(rng.normal(size=(40, 24)) / 6, jnp.float32)
+  w = jnp.asarray(rng.normal(size=(40, n)) / 6, jnp.float32)
   np.testing.assert_array_equal(row_major_matmul(x, w, jnp.float32), _plain(x, w, jnp.float32))
   ref = _grads(_plain, x, w, jnp.float32)
   for got, want in zip(_grads(row_major_matmul, x, w, jnp.float32), ref):
@@ -117,20 +118,25 @@ def _assert_bf16_grads_as_good_as_autodiff(fn, plain, x, w, ref):
     assert err_o < 0.02 * scale, (err_o, scale)
 
 
-def test_row_major_backward_keeps_bf16_dots_off_fp32_eigen():
+@pytest.mark.parametrize("n", [96, 64])  # dW as x^T g, and as (g^T x)^T when 2 N <= K
+def test_row_major_backward_keeps_bf16_dots_off_fp32_eigen(n):
   """The point of the rewrite (XLA:CPU): autodiff's bf16 backward has fp32 `dot`s
-  (bf16 upcast to Eigen); with row-major operands none is left."""
+  (bf16 upcast to Eigen); with row-major operands none is left, and the step runs."""
   from gem_jax.layers.dense import row_major_matmul
   x = jnp.ones((512, 128), jnp.bfloat16)
-  w = jnp.ones((128, 64), jnp.float32)
+  w = jnp.ones((128, n), jnp.float32)
+
+  def grad(fn):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w, jnp.bfloat16)), argnums=(0, 1)))
 
   def hlo(fn):  # the entry computation: library calls are fusions, Eigen dots are `dot`s
-    loss = lambda x, w: jnp.sum(fn(x, w, jnp.bfloat16))
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text().split("ENTRY")[1]
+    return grad(fn).lower(x, w).compile().as_text().split("ENTRY")[1]
 
-  fp32_dot = r"= f32\[\d+,\d+\]\{1,0\} dot\("
+  fp32_dot = r"= f32\[\d+,\d+\]\{[01],[01]\} dot\("
   assert re.search(fp32_dot, hlo(_plain)), "autodiff no longer upcasts: rewrite may be moot"
   assert not re.search(fp32_dot, hlo(row_major_matmul))
+  dx, dw = grad(row_major_matmul)(x, w)  # a bf16 `dot` left to XLA's DotThunk fails here
+  np.testing.assert_array_equal(dw, np.full((128, n), 512.0, np.float32))
 
 
 def test_dense_auto_rule_and_override():

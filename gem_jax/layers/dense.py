@@ -158,6 +158,7 @@ def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
   Zen 4 cores against ~350 in bf16). Here the backward is
     dx = g @ (w^T)    (..., N) x (N, K)     w^T copied row-major (small)
     dW = (x^T) @ g    (K, M) x (M, N)       x^T copied row-major (M = rows of x)
+       = ((g^T) @ x)^T                       when N <= K / 2: the narrower g copied instead
   and dW is accumulated and returned in fp32 (w's dtype), not rounded to bf16.
   """
   return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
@@ -175,8 +176,13 @@ def _rm_bwd(dtype, res, g):
   g = g.astype(dtype)  # (..., N)
   dx = jnp.einsum("...n,nk->...k", g, _row_major_t(w.astype(dtype)),
                   preferred_element_type=jnp.float32)  # (..., K)
-  dw = jnp.dot(_row_major_t(xc.reshape(-1, k)), g.reshape(-1, n),
-               preferred_element_type=jnp.float32)  # (K, N)
+  if 2 * n <= k:  # transpose the narrower batch-tall operand (half or less): dW = (g^T x)^T
+    dwt = jnp.dot(_row_major_t(g.reshape(-1, n)), xc.reshape(-1, k),
+                  preferred_element_type=jnp.float32)  # (N, K)
+    dw = _row_major_t(with_layout_constraint(dwt, Layout(major_to_minor=(0, 1))))  # (K, N)
+  else:
+    dw = jnp.dot(_row_major_t(xc.reshape(-1, k)), g.reshape(-1, n),
+                 preferred_element_type=jnp.float32)  # (K, N)
   return dx.astype(x_proto.dtype), dw.astype(w.dtype)
 
 
