@@ -188,6 +188,7 @@ def _rm_bwd(dtype, res, g):
 
 row_major_matmul.defvjp(_rm_fwd, _rm_bwd)
 
+
 def matmul(x: jax.Array, w: jax.Array, dtype: Dtype) -> jax.Array:
   """x @ w under the precision policy: operands in `dtype`, fp32 accumulation and result.
 
