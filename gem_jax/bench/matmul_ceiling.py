@@ -69,7 +69,7 @@ class DotShape:
     return {"lhs": list(self.lhs), "rhs": list(self.rhs),
             "contract": [list(lc), list(rc)], "batch": [list(lb), list(rb)],
             "dtype": self.lhs_dtype if self.lhs_dtype == self.rhs_dtype else None,
-            "flops": self.flops}
+            "flops": self.flops, "shape": self.describe()}
 
   def describe(self) -> str:
     """'(17408, 32) x (32, 96) f32, contract (1,)x(0,)'."""

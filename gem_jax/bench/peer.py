@@ -237,6 +237,7 @@ def peer_dot_times(dots: Sequence[dict], *, threads: int = 2, python: str | None
 def matmul_side_by_side(dots: Sequence[dict], peer_ms: Sequence[float | None]) -> dict:
   """Per-step dot time of both sides on the same shapes: sum of count x ms per call.
 
+  dots: `DotShape.as_dict()` rows with gem_jax's `count` and `ms` per call.
   Only dots both sides timed count in the totals; `rows` are sorted by gem_jax's
   total time per step (each: shape, count, both ms per step, gem_jax / torch).
   """
@@ -244,10 +245,7 @@ def matmul_side_by_side(dots: Sequence[dict], peer_ms: Sequence[float | None]) -
   for d, t in zip(dots, peer_ms):
     mine = d["count"] * d["ms"]
     theirs = None if t is None else d["count"] * t
-    batch = (f", batch {tuple(d['batch'][0])}x{tuple(d['batch'][1])}" if d["batch"][0] else "")
-    rows.append({"shape": f"{tuple(d['lhs'])} x {tuple(d['rhs'])} {d['dtype']}, contract "
-                          f"{tuple(d['contract'][0])}x{tuple(d['contract'][1])}{batch}",
-                 "count": d["count"], "gem_jax_ms": mine, "torch_ms": theirs,
+    rows.append({"shape": d["shape"], "count": d["count"], "gem_jax_ms": mine, "torch_ms": theirs,
                  "ratio": mine / theirs if theirs else None})
   rows.sort(key=lambda r: -r["gem_jax_ms"])
   both = [r for r in rows if r["torch_ms"] is not None]
