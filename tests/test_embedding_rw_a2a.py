@@ -9,6 +9,8 @@ device): the lookups and a row-wise Adagrad step must equal the unsharded plan's
 (1 x 1 mesh) within 1e-6 in every case, and `ctx['overflow']` says which path ran
 (the same on every device).
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +201,33 @@ def test_distinct_equals_jnp_unique(fill):
     got_u, got_i = jax.jit(distinct_rows, static_argnums=1)(jnp.asarray(x), fill)
     np.testing.assert_array_equal(got_u, want_u)
     np.testing.assert_array_equal(got_i, want_i.reshape(-1))
+
+
+@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
+def test_the_update_never_copies_a_table(exchange):
+  """The compiled lookup + update (state donated) holds no `copy` of a table-shaped buffer:
+  its cost per step follows the batch, not the table. (A `lax.cond` choosing between the
+  by-owner and the broadcast route with the table as operand made XLA copy every row-wise
+  shard and its slots once per step.)"""
+  rows = 4 * 1001                                   # local shards of 1,001 rows: no batch-sized
+  tables = [TableConfig("rw", rows, DIM, sharding="row_wise"),    # buffer has that shape
+            TableConfig("tw", 1003, DIM, sharding="table_wise"),
+            TableConfig("cw", 1005, 2 * DIM, sharding="column_wise")]
+  feats = [FeatureConfig("s", "rw", 4, "sum"), FeatureConfig("t", "tw", 2, "sum"),
+           FeatureConfig("c", "cw", 3, "mean")]
+  for opt in (OPT, SparseOptimizerConfig("adam", lr=0.01)):
+    plan = plan_embeddings(tables, feats, make_mesh(1, 4), B, opt, rw_exchange=exchange)
+    state = init_embedding_state(plan, jax.random.key(0))
+    ids = prepare_ids(plan, {f.name: np.zeros((B, f.bag), np.int64) for f in feats})
+
+    def train(state, ids):
+      got, ctx = gather_rows(plan, state, ids)
+      g = jax.grad(lambda r: sum(jnp.sum(e * e) for e in pool_rows(plan, r, ctx).values()))(got)
+      return apply_sparse_updates(plan, state, ctx, g)
+
+    hlo = jax.jit(train, donate_argnums=0).lower(state, ids).compile().as_text()
+    table_shapes = {f"{x.dtype.name[0]}{x.dtype.itemsize * 8}[{','.join(map(str, s))}]"
+                    for x in jax.tree.leaves(state) if x.ndim
+                    for s in [x.sharding.shard_shape(x.shape)]}
+    copied = set(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", hlo))
+    assert table_shapes and not copied & table_shapes, (opt.kind, copied & table_shapes)

@@ -37,8 +37,6 @@ shard holds the same accumulator (stored replicated).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -204,11 +202,19 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
           rows, g = zip(*(route(q, gq, buf.local_rows, c) for q, gq, c in pairs))
           return update(name, buf, units, st, jnp.concatenate(rows), jnp.concatenate(g),
                         False, lr, enabled)
-        pred = jnp.any(jnp.stack([over[u.name][0, 0] for u in units]))
-        new[name] = jax.lax.cond(
-            pred, functools.partial(routed, lambda q, g, rps, c: _rw_broadcast(q, g, rps)),
-            functools.partial(routed, by_owner),
-            state[name], lr, enabled)
+        by_broadcast = lambda q, g, rps, c: _rw_broadcast(q, g, rps)  # noqa: E731
+        if plan.rw_exchange == "broadcast":
+          new[name] = routed(by_broadcast, state[name], lr, enabled)
+          continue
+        # The by-owner route in place, its writes dropped in an overflow step, which the
+        # broadcast route redoes in a loop taken once or never: a `lax.cond` over the two
+        # routes made XLA copy the table shard and its slots every step.
+        over_any = jnp.any(jnp.stack([over[u.name][0, 0] for u in units]))
+        st = routed(by_owner, state[name], lr, enabled & ~over_any)
+        _, new[name] = jax.lax.while_loop(
+            lambda c: c[0],
+            lambda c, r=routed, b=by_broadcast: (jnp.bool_(False), r(b, c[1], lr, enabled)),
+            (over_any, st))
         continue
       rows = jnp.concatenate([row_idx[u.name][0, 0] for u in units])  # (n,) distinct per unit
       g = jnp.concatenate([grads[u.name][0, 0].reshape(-1, width).astype(jnp.float32)
