@@ -35,17 +35,22 @@ def tiny():
 
 def test_trunk_gate_starts_closed_and_opens():
   """At init the deep features reach the trunk scaled by 0 (logits depend on the front-end
-  pairs and heads only), and the gate's gradient is nonzero, so training opens it."""
-  cfg = get_config("tiny", trunk_gate=True)
-  fd = feature_dims(cfg.d_model)
-  model = GEM(cfg, SPEC, fd, rngs=nnx.Rngs(0))
+  pairs and heads only), and the gate's gradient is nonzero, so training opens it. One
+  block and one short stream (the gate does not depend on either), the gradient jitted."""
+  spec = reference_spec(n_dense=5, n_sparse=4, streams=1, max_len=4, item_features=1)
+  cfg = get_config("tiny", trunk_gate=True, num_blocks=1)
+  fd = {f.name: cfg.d_model for f in spec.sparse}
+  model = GEM(cfg, spec, fd, rngs=nnx.Rngs(0))
   assert float(model.trunk_gate[...][0]) == 0.0
-  x = random_inputs(SPEC, fd, B, seed=3)
+  x = random_inputs(spec, fd, B, seed=3)
   y = np.random.default_rng(0).integers(0, 2, size=(B, 2)).astype(np.float32)
-  g = nnx.grad(lambda m: masked_multitask_bce(m(x), y, np.ones_like(y)))(model)
+  graphdef, state = nnx.split(model)
+  g = jax.jit(jax.grad(lambda s: masked_multitask_bce(
+      nnx.merge(graphdef, s)(x), y, np.ones_like(y))))(state)
+  g = nnx.merge(graphdef, g)
   assert abs(float(g.trunk_gate[...][0])) > 0
   assert float(jnp.sum(jnp.abs(g.blocks[0].interaction.lcb.w[...]))) == 0.0  # closed: no grad
-  assert GEM(dataclasses.replace(cfg, trunk_gate=False), SPEC, fd,
+  assert GEM(dataclasses.replace(cfg, trunk_gate=False), spec, fd,
              rngs=nnx.Rngs(0)).trunk_gate is None
 
 
