@@ -30,10 +30,11 @@ def _cheap_codegen_flags() -> str:
   return os.environ["GEM_JAX_TEST_CODEGEN"]
 
 
-CHEAP_CODEGEN = bool(_cheap_codegen_flags())
+_CODEGEN = _cheap_codegen_flags()
+CHEAP_CODEGEN = bool(_CODEGEN)
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-     _cheap_codegen_flags()]).strip()
+     _CODEGEN]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -95,11 +95,13 @@ def test_student_step_equals_trainer_step(weights):
   st = Student(make_mesh(2, 2), TransferOptions(distill_weights=weights))
   batches = st.batches()
   # two different programs compared bit for bit: both with XLA's default code generation
-  student = compile_with_xla_defaults(st.train_fn(batches[0]), st.init(), batches[0])
-  got, gm = _run(student, st.init(), batches)
+  state = st.init()
+  student = compile_with_xla_defaults(st.train_fn(batches[0]), state, batches[0])
+  got, gm = _run(student, state, batches)
+  state = st.init()
   trainer = compile_with_xla_defaults(step_lib.jit_train_step(
-      st.cfg.step_cfg, st.shardings, st.sh(batches[0]), skip_nonfinite=True), st.init(), batches[0])
-  want, wm = _run(trainer, st.init(), batches)
+      st.cfg.step_cfg, st.shardings, st.sh(batches[0]), skip_nonfinite=True), state, batches[0])
+  want, wm = _run(trainer, state, batches)
   assert _equal(got, want)  # params, optimizer, tables, step, RNG: bit for bit
   for g, w in zip(gm, wm):
     assert set(g) == set(w) | {"loss_hard", "loss_soft", "loss_adapt"}
