@@ -3,11 +3,13 @@
   python scripts/project_scale.py --config large                  # H200 defaults, 45 % device MFU
   python scripts/project_scale.py --config medium --from-json gpu_medium.jsonl
   python scripts/project_scale.py --config small --check-cpu      # measured vs projected, 1x8 / 2x4
+  python scripts/project_scale.py --config gem_xl --per-device-batch 512 --comm-from-hlo
 
 Single-device compute time per step at the per-device batch b: from a benchmark
 JSON line (--from-json, scaled linearly to b), measured here (--measure), or
 train FLOPs x b / (--device-mfu x --peak). Communication: the config's own
-embedding plan on each (R, S) mesh plus HSDP volumes, through the network model
+embedding plan on each (R, S) mesh plus HSDP volumes (--comm-from-hlo: bytes per
+parameter read from the config's compiled train step), through the network model
 of gem_jax/bench/network.py (flags below; defaults: H100/H200 NVLink 450 GB/s per
 direction, 8 GPUs per node, 400 Gb/s IB per GPU). Weak scaling: b is fixed.
 """
@@ -34,7 +36,11 @@ def parse_args(argv=None):
   p.add_argument("--intra-lat", type=float, default=3e-6)
   p.add_argument("--inter-lat", type=float, default=10e-6)
   p.add_argument("--gpus-per-node", type=int, default=8)
-  p.add_argument("--param-bytes", type=int, default=4, help="bytes per gathered dense param")
+  p.add_argument("--param-bytes", type=int, default=4,
+                 help="bytes per gathered dense param (assumed: two gathers per step)")
+  p.add_argument("--comm-from-hlo", action="store_true",
+                 help="HSDP bytes per dense param from the config's own train step, "
+                      "compiled for a 2x4 CPU mesh (gem_jax/bench/collectives.py)")
   p.add_argument("--min-devices", type=int, default=8)
   p.add_argument("--max-devices", type=int, default=4096)
   p.add_argument("--check-cpu", action="store_true",
@@ -49,7 +55,7 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-  if args.check_cpu:
+  if args.check_cpu or args.comm_from_hlo:
     from gem_jax import hostmem  # pylint: disable=import-outside-toplevel
     hostmem.simulate_cpu_devices()
   from gem_jax.bench import projection  # pylint: disable=import-outside-toplevel

@@ -1,4 +1,5 @@
 """Benchmark suite: JSON fields of a real run, the peer's command and data, the network model."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -397,6 +398,11 @@ def test_step_terms_by_hand():
   assert t["replica_all_reduce"] == pytest.approx(2 * (3 / 4 * 0.5e9 / 50e9 + 3 * 10e-6))
   assert t["emb_sync"] == pytest.approx(2e8 / 50e9 + 6 * 10e-6)      # 2 (R - 1) hops
   assert t["emb_sync_rows"] == pytest.approx(1e9 / 50e9 + 6 * 10e-6)  # ids + grads: 2 (R - 1)
+  # measured: 2.5 bytes per parameter gathered per step (e.g. bf16, once + some remat)
+  measured = dataclasses.replace(vol, gather_bytes=2.5)
+  t2 = network.step_terms(measured, NET, replicas=4, shards=8)
+  assert t2["hsdp_all_gather"] == pytest.approx(7 / 8 * 2.5e9 / 400e9 + 14e-6)
+  assert t2["hsdp_reduce_scatter"] == t["hsdp_reduce_scatter"]
 
 
 def test_project_overlap_and_limit():

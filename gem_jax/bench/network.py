@@ -24,8 +24,11 @@ weights, HSDP: FSDP over 'shard', replicated over 'replica'):
                                       gradient reduce-scattered + all-gathered,
                                       whichever sends fewer bytes); `emb_sync='rows'`
                                       projects the row all-gather for every buffer
-  HSDP all-gathers                    2 x all_gather(P * param_bytes) (forward and
-                                      backward re-gather), over 'shard'
+  HSDP all-gathers                    all_gather(P * gather_bytes) over 'shard';
+                                      gather_bytes: measured from the compiled step
+                                      (`gem_jax.bench.collectives.dense_sync`), else
+                                      assumed 2 x param_bytes (two fp32 gathers:
+                                      forward and backward)
   HSDP reduce-scatter                 reduce_scatter(P * grad_bytes) over 'shard'
   cross-replica sync                  all_reduce(P * grad_bytes / S) over 'replica'
 
@@ -100,7 +103,10 @@ class StepVolumes:
     emb_sync_mesh, emb_sync_mesh_rows: the same two for replicated tables, whose
       sync group is the whole mesh (R S devices) instead of 'replica'.
     dense_params: P.
-    param_bytes, grad_bytes: bytes per parameter gathered / reduced.
+    param_bytes, grad_bytes: bytes per parameter gathered (per gather) / reduced.
+    gather_bytes: bytes per parameter all-gathered per step, every gather counted (a bf16
+      model gathers each weight once in bf16: ~2; with remat also in the backward);
+      None: the assumption 2 x param_bytes.
   """
   emb_a2a: float
   emb_sync: float
@@ -110,6 +116,7 @@ class StepVolumes:
   grad_bytes: int = 4
   emb_sync_mesh: float = 0.0
   emb_sync_mesh_rows: float = 0.0
+  gather_bytes: float | None = None
 
 
 def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> dict[str, float]:
@@ -121,7 +128,9 @@ def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> di
   p = vol.dense_params
   out = {
       "emb_a2a": net.send(vol.emb_a2a, S, shard_cross, hops=3 * (S - 1)),
-      "hsdp_all_gather": 2 * net.all_gather(p * vol.param_bytes, S, shard_cross),
+      "hsdp_all_gather": (2 * net.all_gather(p * vol.param_bytes, S, shard_cross)
+                          if vol.gather_bytes is None
+                          else net.all_gather(p * vol.gather_bytes, S, shard_cross)),
       "hsdp_reduce_scatter": net.reduce_scatter(p * vol.grad_bytes, S, shard_cross),
       "replica_all_reduce": net.all_reduce(p * vol.grad_bytes / S, R, rep_cross),
       # two ring collectives either way: reduce-scatter + all-gather ('dense') or the

@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any
 
+from gem_jax.bench import collectives
 from gem_jax.bench import network
 from gem_jax.bench import runner
 from gem_jax.bench import scale
@@ -43,12 +44,26 @@ def compute_time(args, config, facts: scale.ModelFacts, b: int) -> tuple[float, 
   return t, f"assumed: {100 * args.device_mfu:.0f} % single-device MFU", args.peak
 
 
+def hsdp_bytes(args) -> tuple[dict, str]:
+  """Bytes per dense parameter of the HSDP terms and where they come from."""
+  if not args.comm_from_hlo:
+    return ({"param_bytes": args.param_bytes, "grad_bytes": 4, "gather_bytes": None},
+            f"assumed: 2 gathers x {args.param_bytes} B, fp32 gradients")
+  sync = collectives.train_step_sync(runner.load_config(args.config, _overrides(args.set)))
+  return ({"param_bytes": args.param_bytes, "grad_bytes": sync["grad_bytes"],
+           "gather_bytes": sync["gather_bytes"]},
+          f"from the compiled step (2x4 CPU mesh): gathers {sync['gather_bytes']:.2f} B, "
+          f"gradients {sync['grad_bytes']:.2f} B (replica {sync['replica_grad_bytes']:.2f} B), "
+          f"other {sync['other_bytes']:.3f} B per param and step")
+
+
 def projection_rows(args, config, facts, b: int, t_compute: float, peak: float,
-                    net: network.Network) -> list[dict]:
+                    net: network.Network, hsdp: dict | None = None) -> list[dict]:
   rows = []
+  hsdp = hsdp or {"param_bytes": args.param_bytes}
   for n in network.device_counts(args.min_devices, args.max_devices):
     R, S = network.mesh_for(n, args.shard)
-    vol = scale.plan_volumes(facts, config, R, S, b, param_bytes=args.param_bytes)
+    vol = scale.plan_volumes(facts, config, R, S, b, **hsdp)
     terms = network.step_terms(vol, net, R, S)
     row = {"devices": n, "mesh": [R, S], "per_device_batch": b, "compute_s": t_compute,
            **{f"{k}_s": v for k, v in terms.items()}}
@@ -123,14 +138,16 @@ def run(args) -> dict:
   net = network.Network(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat,
                         args.gpus_per_node)
   t, source, peak = compute_time(args, config, facts, b)
-  rows = projection_rows(args, config, facts, b, t, peak, net)
+  hsdp, hsdp_source = hsdp_bytes(args)
+  rows = projection_rows(args, config, facts, b, t, peak, net, hsdp)
   print(f"{args.config}: {facts.train_flops_per_example / 1e9:.3f} train GFLOP/example, "
         f"{facts.dense_params / 1e6:.1f} M dense params, per-device batch {b}, "
         f"compute {1e3 * t:.2f} ms/step ({source}), peak {peak / 1e12:.0f} TFLOP/s; "
         f"tables: {scale.describe_sharding(facts, config, args.shard, b)}", file=sys.stderr)
   print(f"network: {net}", file=sys.stderr)
+  print(f"HSDP: {hsdp_source}", file=sys.stderr)
   print_rows(rows)
-  out = {"rows": rows, "compute_source": source}
+  out = {"rows": rows, "compute_source": source, "hsdp_source": hsdp_source, "hsdp_bytes": hsdp}
   if args.check_cpu:
     out["check"] = cpu_check(args, config, facts)
     print(network.table_rows(

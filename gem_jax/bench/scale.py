@@ -50,9 +50,11 @@ def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batc
 
 
 def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
-                 param_bytes: int = 4, grad_bytes: int = 4) -> network.StepVolumes:
+                 param_bytes: int = 4, grad_bytes: float = 4,
+                 gather_bytes: float | None = None) -> network.StepVolumes:
   """Bytes per device per step of the config's plan on an (R, S) mesh: the lookup
-  exchange, the replica sync as planned, and the sync with row gathers only."""
+  exchange, the replica sync as planned, and the sync with row gathers only; the dense
+  parameters' bytes as given (`network.StepVolumes`)."""
   plan = _plan(facts, config, replicas, shards, per_device_batch)
   mesh_wide = {n for n, b in plan.buffers.items() if b.kind == "replicated"}
 
@@ -66,7 +68,8 @@ def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_devi
                              emb_sync=sync, emb_sync_rows=rows,
                              dense_params=facts.dense_params,
                              param_bytes=param_bytes, grad_bytes=grad_bytes,
-                             emb_sync_mesh=sync_mesh, emb_sync_mesh_rows=rows_mesh)
+                             emb_sync_mesh=sync_mesh, emb_sync_mesh_rows=rows_mesh,
+                             gather_bytes=gather_bytes)
 
 
 def describe_sharding(facts: ModelFacts, config, shards: int, per_device_batch: int) -> dict:
