@@ -125,9 +125,9 @@ class SequenceEmbedder(nnx.Module):
                            param_dtype=param_dtype, kernel_axes=(None, "embed"))
     self.item_norm = LayerNorm(d, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     emb = nnx.initializers.normal(1.0 / math.sqrt(d))
-    self.action_emb = param(rngs, emb, (num_actions, d), param_dtype, (None, "embed"))
-    self.surface_emb = param(rngs, emb, (num_surfaces, d), param_dtype, (None, "embed"))
-    self.time_emb = (param(rngs, emb, (time_buckets, d), param_dtype, (None, "embed"))
+    self.action_emb = param(rngs, emb, (num_actions, d), param_dtype, ("lookup", "lookup"))
+    self.surface_emb = param(rngs, emb, (num_surfaces, d), param_dtype, ("lookup", "lookup"))
+    self.time_emb = (param(rngs, emb, (time_buckets, d), param_dtype, ("lookup", "lookup"))
                      if time_buckets > 0 else None)
 
   def __call__(self, items: Mapping[str, jax.Array], action: jax.Array, surface: jax.Array,

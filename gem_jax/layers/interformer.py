@@ -202,7 +202,7 @@ class SequenceBranch(nnx.Module):
     # Sequence arch.
     self.pffn = PFFN(d_model, num_x_summary, fp8=fp8, **kw)
     self.cls = (param(rngs, nnx.initializers.normal(0.02), (num_cls, d_model), param_dtype,
-                      (None, "embed")) if num_cls else None)
+                      ("lookup", "lookup")) if num_cls else None)
     if seq_layer == "hstu":
       self.attn_norm = self.attn = None
       self.hstu = HSTU(d_model, num_heads, mask=mask, block_size=block_size,

@@ -125,7 +125,7 @@ class GEM(nnx.Module):
     self.sparse_proj = SparseProjector({f: feature_dims[f] for f in self.pooled}, d,
                                        rngs=rngs, **prec)
     self.domain_emb = param(rngs, emb, (max(spec.num_domains, 1), d), cfg.params_dtype,
-                            (None, "embed"))
+                            ("lookup", "lookup"))
     self.token_mix = (param(rngs, nnx.initializers.normal(1.0 / math.sqrt(n0)), (n, n0),
                             cfg.params_dtype, (None, "tokens")) if cfg.token_mix else None)
     # Without the mix, X_0 enters the cross-layer history through its own projection.
