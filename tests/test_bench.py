@@ -403,6 +403,11 @@ def test_step_terms_by_hand():
   t2 = network.step_terms(measured, NET, replicas=4, shards=8)
   assert t2["hsdp_all_gather"] == pytest.approx(7 / 8 * 2.5e9 / 400e9 + 14e-6)
   assert t2["hsdp_reduce_scatter"] == t["hsdp_reduce_scatter"]
+  # grad_accum=2: the shard reduction twice (8 B), the cross-replica one once (4 B)
+  accum = dataclasses.replace(vol, grad_bytes=8, replica_grad_bytes=4)
+  t3 = network.step_terms(accum, NET, replicas=4, shards=8)
+  assert t3["hsdp_reduce_scatter"] == pytest.approx(7 / 8 * 8e9 / 400e9 + 14e-6)
+  assert t3["replica_all_reduce"] == t["replica_all_reduce"]
 
 
 def test_project_overlap_and_limit():

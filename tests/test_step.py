@@ -52,9 +52,10 @@ def test_sharded_step_matches_single_device(reference, shape):
   assert int(state.step) == STEPS
 
 
-def test_grad_accumulation_equals_full_batch(reference):
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])  # (2, 2): per-replica accumulation
+def test_grad_accumulation_equals_full_batch(reference, shape):
   ref_built, ref_state, ref_losses = reference
-  built, state, losses = _run(make_mesh(1, 2), grad_accum=4)
+  built, state, losses = _run(make_mesh(*shape), grad_accum=4)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
   (p, e), (rp, re) = _host(built, state), _host(ref_built, ref_state)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, rp)

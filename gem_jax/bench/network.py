@@ -30,7 +30,9 @@ weights, HSDP: FSDP over 'shard', replicated over 'replica'):
                                       assumed 2 x param_bytes (two fp32 gathers:
                                       forward and backward)
   HSDP reduce-scatter                 reduce_scatter(P * grad_bytes) over 'shard'
-  cross-replica sync                  all_reduce(P * grad_bytes / S) over 'replica'
+  cross-replica sync                  all_reduce(P * replica_grad_bytes / S) over 'replica'
+                                      (default grad_bytes; under grad_accum the shard
+                                      reduction runs per micro-batch, this one once)
 
 Step time without overlap: compute + all terms. With overlap: the embedding
 forward all-to-all stays exposed (the dense part needs its result), everything
@@ -107,6 +109,8 @@ class StepVolumes:
     gather_bytes: bytes per parameter all-gathered per step, every gather counted (a bf16
       model gathers each weight once in bf16: ~2; with remat also in the backward);
       None: the assumption 2 x param_bytes.
+    replica_grad_bytes: bytes per parameter of the cross-replica all-reduce (of P / S per
+      device); None: grad_bytes.
   """
   emb_a2a: float
   emb_sync: float
@@ -117,6 +121,7 @@ class StepVolumes:
   emb_sync_mesh: float = 0.0
   emb_sync_mesh_rows: float = 0.0
   gather_bytes: float | None = None
+  replica_grad_bytes: float | None = None
 
 
 def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> dict[str, float]:
@@ -132,7 +137,9 @@ def step_terms(vol: StepVolumes, net: Network, replicas: int, shards: int) -> di
                           if vol.gather_bytes is None
                           else net.all_gather(p * vol.gather_bytes, S, shard_cross)),
       "hsdp_reduce_scatter": net.reduce_scatter(p * vol.grad_bytes, S, shard_cross),
-      "replica_all_reduce": net.all_reduce(p * vol.grad_bytes / S, R, rep_cross),
+      "replica_all_reduce": net.all_reduce(
+          p * (vol.grad_bytes if vol.replica_grad_bytes is None else vol.replica_grad_bytes)
+          / S, R, rep_cross),
       # two ring collectives either way: reduce-scatter + all-gather ('dense') or the
       # all-gathers of row ids and of gradients ('rows'): 2 (n - 1) hops.
       "emb_sync": (net.send(vol.emb_sync, R, rep_cross, hops=2 * (R - 1))

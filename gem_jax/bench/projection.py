@@ -51,7 +51,8 @@ def hsdp_bytes(args) -> tuple[dict, str]:
             f"assumed: 2 gathers x {args.param_bytes} B, fp32 gradients")
   sync = collectives.train_step_sync(runner.load_config(args.config, _overrides(args.set)))
   return ({"param_bytes": args.param_bytes, "grad_bytes": sync["grad_bytes"],
-           "gather_bytes": sync["gather_bytes"]},
+           "gather_bytes": sync["gather_bytes"],
+           "replica_grad_bytes": sync["replica_grad_bytes"]},
           f"from the compiled step (2x4 CPU mesh): gathers {sync['gather_bytes']:.2f} B, "
           f"gradients {sync['grad_bytes']:.2f} B (replica {sync['replica_grad_bytes']:.2f} B), "
           f"other {sync['other_bytes']:.3f} B per param and step")

@@ -51,7 +51,8 @@ def _plan(facts: ModelFacts, config, replicas: int, shards: int, per_device_batc
 
 def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_device_batch: int,
                  param_bytes: int = 4, grad_bytes: float = 4,
-                 gather_bytes: float | None = None) -> network.StepVolumes:
+                 gather_bytes: float | None = None,
+                 replica_grad_bytes: float | None = None) -> network.StepVolumes:
   """Bytes per device per step of the config's plan on an (R, S) mesh: the lookup
   exchange, the replica sync as planned, and the sync with row gathers only; the dense
   parameters' bytes as given (`network.StepVolumes`)."""
@@ -69,7 +70,8 @@ def plan_volumes(facts: ModelFacts, config, replicas: int, shards: int, per_devi
                              dense_params=facts.dense_params,
                              param_bytes=param_bytes, grad_bytes=grad_bytes,
                              emb_sync_mesh=sync_mesh, emb_sync_mesh_rows=rows_mesh,
-                             gather_bytes=gather_bytes)
+                             gather_bytes=gather_bytes,
+                             replica_grad_bytes=replica_grad_bytes)
 
 
 def describe_sharding(facts: ModelFacts, config, shards: int, per_device_batch: int) -> dict:

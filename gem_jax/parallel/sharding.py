@@ -83,20 +83,48 @@ def activation_sharding(mesh: Mesh | None):
     _ACTIVATION_MESH.reset(token)
 
 
+_PER_REPLICA: contextvars.ContextVar = contextvars.ContextVar("per_replica", default=False)
+
+
+@contextlib.contextmanager
+def per_replica():
+  """While tracing a function vmapped over the replicas (the batch as (R, B / R, ...),
+  `jax.vmap(..., spmd_axis_name='replica')`), `constrain_batch` and `batch_groups` see
+  one replica's batch: split over 'shard' only (the vmap adds 'replica' in front)."""
+  token = _PER_REPLICA.set(True)
+  try:
+    yield
+  finally:
+    _PER_REPLICA.reset(token)
+
+
+def _batch_axes() -> tuple[str, ...]:
+  return ("shard",) if _PER_REPLICA.get() else BATCH_AXES
+
+
+def replicas() -> int:
+  """'replica' size of the activation mesh (1 outside `activation_sharding`)."""
+  mesh = _ACTIVATION_MESH.get()
+  return 1 if mesh is None else mesh.shape["replica"]
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
-  """x with its leading (batch) axis split over ('replica', 'shard'), the rest whole."""
+  """x with its leading (batch) axis split over ('replica', 'shard'), the rest whole
+  (under `per_replica`: over 'shard')."""
   mesh = _ACTIVATION_MESH.get()
   if mesh is None or x.ndim == 0:
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(RULES["batch"])))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(_batch_axes())))
 
 
 def batch_groups(mesh: Mesh | None = None) -> int:
   """Batch shards of `mesh`, by default of the activation mesh (1 outside
-  `activation_sharding`)."""
-  mesh = _ACTIVATION_MESH.get() if mesh is None else mesh
+  `activation_sharding`; under `per_replica`, one replica's)."""
   if mesh is None:
-    return 1
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None:
+      return 1
+    return math.prod(mesh.shape[a] for a in _batch_axes())
   axes = RULES["batch"]
   return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 

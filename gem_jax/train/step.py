@@ -152,7 +152,14 @@ def _total(terms: dict) -> jax.Array:
 def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
                loss: Loss = BCE):
   """(loss, terms, g_params, g_emb) of `loss` (the sum of its terms), over `grad_accum`
-  micro-batches."""
+  micro-batches.
+
+  Accumulating on a mesh with replicas (R > 1), each micro-batch's gradient is taken per
+  replica (`vmap` over (R, B / (k R)) with spmd_axis_name='replica') into an (R, ...)
+  accumulator, summed over R once after the loop: the gradients are reduced over
+  'shard' per micro-batch but across replicas (between nodes) once per step, not k
+  times. Same gradient; summation order differs.
+  """
   def total(p, e, b):
     t = loss.terms(p, e, b, model_state, graphdef, spec)
     return _total(t), t
@@ -161,12 +168,12 @@ def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
   if grad_accum == 1:
     (total_loss, terms), (g_params, g_emb) = grad_fn(params, emb, batch)
     return total_loss, terms, g_params, g_emb
-  k = grad_accum
+  k, R = grad_accum, sharding.replicas()
   full = {n: jnp.maximum(c, 1.0) for n, c in loss.counts(batch).items()}
-  micro = jax.tree.map(lambda x: _to_micro(x, k), (emb, batch))
+  micro = jax.tree.map(lambda x: _to_micro(x, k), (emb, batch))   # (k, B/k, ...)
 
-  def body(acc, xs):
-    emb_i, batch_i = xs
+  def weighted_grads(emb_i, batch_i):
+    """(weighted terms, g_params, g_emb) of one micro-batch (or one replica's part)."""
     w = {n: c / full[n] for n, c in loss.counts(batch_i).items()}  # shares of the batch's items
     if len(w) == 1:  # one term: its gradient, scaled by its share
       (_, t_i), (g_p, g_e) = grad_fn(params, emb_i, batch_i)
@@ -178,13 +185,30 @@ def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
         return _total({n: w[n] * v for n, v in t.items()}), t
       (_, t_i), (g_p, g_e) = jax.value_and_grad(weighted, argnums=(0, 1), has_aux=True)(
           params, emb_i)
+    return {n: w[n] * t_i[n] for n in w}, g_p, g_e
+
+  if R > 1:   # (k, R, B / (k R), ...): a micro-batch's rows of replica r are contiguous
+    micro = jax.tree.map(lambda x: x.reshape((k, R, x.shape[1] // R) + x.shape[2:]), micro)
+
+    def step_grads(emb_i, batch_i):
+      with sharding.per_replica():
+        wt, g_p, g_e = jax.vmap(weighted_grads, spmd_axis_name="replica")(emb_i, batch_i)
+      return {n: jnp.sum(v) for n, v in wt.items()}, g_p, g_e   # g_p: (R, ...) per replica
+  else:
+    step_grads = weighted_grads
+
+  def body(acc, xs):
+    wt, g_p, g_e = step_grads(*xs)
     terms_acc, gp_acc = acc
-    terms_acc = {n: terms_acc[n] + w[n] * t_i[n] for n in terms_acc}
+    terms_acc = {n: terms_acc[n] + wt[n] for n in terms_acc}
     return (terms_acc, jax.tree.map(operator.add, gp_acc, g_p)), g_e
 
   zeros = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), full),
-           jax.tree.map(jnp.zeros_like, params))
+           jax.tree.map(lambda p: jnp.zeros(((R,) if R > 1 else ()) + p.shape, p.dtype), params))
   (terms, g_params), g_emb = jax.lax.scan(body, zeros, micro)
+  if R > 1:
+    g_params = jax.tree.map(lambda g: jnp.sum(g, axis=0), g_params)   # across replicas, once
+    g_emb = jax.tree.map(lambda g: g.reshape((k, -1) + g.shape[3:]), g_emb)
   return _total(terms), terms, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
 
 
