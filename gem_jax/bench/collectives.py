@@ -55,10 +55,20 @@ def partitioned_hlo(lowered) -> str:
   """HLO text of `lowered` (a `jax.stages.Lowered`) right after SPMD partitioning.
 
   Compiles it once with XLA's dump of that pass into a temporary folder (the compile
-  is the ordinary one; its executable is discarded)."""
+  is the ordinary one; its executable is discarded), with the persistent compilation
+  cache off: a cache hit runs no pass and dumps nothing."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+  cache_on = jax.config.jax_enable_compilation_cache
   with tempfile.TemporaryDirectory(prefix="gem_jax_spmd_") as d:
-    lowered.compile(compiler_options={"xla_dump_to": d,
-                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()   # the cache decides once per process whether it is used
+    try:
+      lowered.compile(compiler_options={"xla_dump_to": d,
+                                        "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache_on)
+      compilation_cache.reset_cache()
     files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
     if not files:
       raise RuntimeError("XLA wrote no program after spmd-partitioning (a single-device "
