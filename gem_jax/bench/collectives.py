@@ -23,12 +23,21 @@ the network model had assumed 8 (two fp32 gathers), and reduces its gradients in
 """
 from __future__ import annotations
 
+import copy
 import glob
 import math
 import os
 import re
 import tempfile
 from typing import Any, NamedTuple
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from gem_jax.bench import runner
+from gem_jax.layers import dense
+from gem_jax.train import setup as setup_lib
+from gem_jax.train import step as step_lib
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all")
@@ -57,8 +66,6 @@ def partitioned_hlo(lowered) -> str:
   Compiles it once with XLA's dump of that pass into a temporary folder (the compile
   is the ordinary one; its executable is discarded), with the persistent compilation
   cache off: a cache hit runs no pass and dumps nothing."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
   cache_on = jax.config.jax_enable_compilation_cache
   with tempfile.TemporaryDirectory(prefix="gem_jax_spmd_") as d:
     jax.config.update("jax_enable_compilation_cache", False)
@@ -136,11 +143,11 @@ def parse(text: str, num_devices: int = 0) -> list[Collective]:
 
   memo: dict[str, int] = {}
 
-  def runs(c: str) -> int:
-    if c == entry or c not in calls:
-      return 1 if c == entry else 0
+  def runs(c: str) -> int:   # executions per step: 1 for the entry, summed over callers
+    if c == entry:
+      return 1
     if c not in memo:
-      memo[c] = sum(runs(caller) * k for caller, k in calls[c])
+      memo[c] = sum(runs(caller) * k for caller, k in calls.get(c, ()))
     return memo[c]
 
   out = []
@@ -216,12 +223,8 @@ def train_step_sync(config, replicas: int = 2, shards: int = 4) -> dict[str, flo
   local devices, plus `dense_params`. The state stays abstract (nothing of the model's
   size is allocated: `gem_xl`'s 2.7 B parameters compile in ~40 s on a CPU); one batch of
   the config's source; bf16 matmuls as on a GPU (without XLA:CPU's row-major backward,
-  `dense.row_major_backward`)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from gem_jax.bench import runner  # pylint: disable=import-outside-toplevel
-  from gem_jax.layers import dense  # pylint: disable=import-outside-toplevel
-  from gem_jax.train import setup as setup_lib  # pylint: disable=import-outside-toplevel
-  from gem_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  `dense.row_major_backward`). `config` itself is left as it is."""
+  config = copy.deepcopy(config)
   config.mesh = (replicas, shards)
   s = setup_lib.setup(config)
   batch = runner.device_batches(s, config, 1)[0]

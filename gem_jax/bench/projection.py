@@ -44,12 +44,12 @@ def compute_time(args, config, facts: scale.ModelFacts, b: int) -> tuple[float, 
   return t, f"assumed: {100 * args.device_mfu:.0f} % single-device MFU", args.peak
 
 
-def hsdp_bytes(args) -> tuple[dict, str]:
-  """Bytes per dense parameter of the HSDP terms and where they come from."""
+def hsdp_bytes(args, config) -> tuple[dict, str]:
+  """`scale.plan_volumes`' bytes per dense parameter of the HSDP terms, and their source."""
   if not args.comm_from_hlo:
-    return ({"param_bytes": args.param_bytes, "grad_bytes": 4, "gather_bytes": None},
+    return ({"param_bytes": args.param_bytes},
             f"assumed: 2 gathers x {args.param_bytes} B, fp32 gradients")
-  sync = collectives.train_step_sync(runner.load_config(args.config, _overrides(args.set)))
+  sync = collectives.train_step_sync(config)
   return ({"param_bytes": args.param_bytes, "grad_bytes": sync["grad_bytes"],
            "gather_bytes": sync["gather_bytes"],
            "replica_grad_bytes": sync["replica_grad_bytes"]},
@@ -59,9 +59,8 @@ def hsdp_bytes(args) -> tuple[dict, str]:
 
 
 def projection_rows(args, config, facts, b: int, t_compute: float, peak: float,
-                    net: network.Network, hsdp: dict | None = None) -> list[dict]:
+                    net: network.Network, hsdp: dict) -> list[dict]:
   rows = []
-  hsdp = hsdp or {"param_bytes": args.param_bytes}
   for n in network.device_counts(args.min_devices, args.max_devices):
     R, S = network.mesh_for(n, args.shard)
     vol = scale.plan_volumes(facts, config, R, S, b, **hsdp)
@@ -139,7 +138,7 @@ def run(args) -> dict:
   net = network.Network(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat,
                         args.gpus_per_node)
   t, source, peak = compute_time(args, config, facts, b)
-  hsdp, hsdp_source = hsdp_bytes(args)
+  hsdp, hsdp_source = hsdp_bytes(args, config)
   rows = projection_rows(args, config, facts, b, t, peak, net, hsdp)
   print(f"{args.config}: {facts.train_flops_per_example / 1e9:.3f} train GFLOP/example, "
         f"{facts.dense_params / 1e6:.1f} M dense params, per-device batch {b}, "

@@ -120,13 +120,9 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 def batch_groups(mesh: Mesh | None = None) -> int:
   """Batch shards of `mesh`, by default of the activation mesh (1 outside
   `activation_sharding`; under `per_replica`, one replica's)."""
-  if mesh is None:
-    mesh = _ACTIVATION_MESH.get()
-    if mesh is None:
-      return 1
-    return math.prod(mesh.shape[a] for a in _batch_axes())
-  axes = RULES["batch"]
-  return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+  axes = _batch_axes() if mesh is None else BATCH_AXES
+  mesh = _ACTIVATION_MESH.get() if mesh is None else mesh
+  return 1 if mesh is None else math.prod(mesh.shape[a] for a in axes)
 
 
 def _is_variable(x) -> bool:
