@@ -202,9 +202,10 @@ def summary(run: dict, args) -> dict:
       "map_bytes_per_row": MAP_BYTES_PER_ROW if run["id_policy"] == "managed" else 0,
       "map_bytes_measured": _map_bytes(run["state"]),
       "id_stats": bool(plan.id_stats),
-      "managed_route_slots": (  # ids each owner resolves per table: S C padded, M ragged
-          (plan.managed_capacity("t0")[1] if plan.rw_exchange == "ragged" else
-           plan.num_shards * plan.managed_capacity("t0")[0]) * plan.num_replicas
+      "managed_route_slots": (  # ids each owner resolves per table: S C padded, M ragged,
+          (plan.managed_owner_distinct("t0") if plan.num_shards == 1 else   # one shard: its cap
+           (plan.managed_capacity("t0")[1] if plan.rw_exchange == "ragged" else
+            plan.num_shards * plan.managed_capacity("t0")[0]) * plan.num_replicas)
           if run["id_policy"] == "managed" else None),
       "frozen_tables": args.freeze, "freeze_by": run["freeze_by"] if args.freeze else None,
       "bag": args.bag, "mesh": list(plan.mesh.devices.shape),

@@ -82,6 +82,7 @@ def _check(plan, state, host, rows, counters, ref, step, table="u"):
     pytest.param((1, 8), (2, 4), "lru", 0, "a2a", 1.0, marks=pytest.mark.slow),
     ((2, 4), (4, 2), "lfu", 3, "a2a", 1.0),
     ((2, 4), (1, 8), "lru", 3, "ragged", 1.0),
+    ((1, 1), (2, 4), "lru", 3, "a2a", 1.0),
     pytest.param((1, 8), (4, 2), "lfu", 0, "ragged", 0.3, marks=pytest.mark.slow),
     pytest.param((4, 2), (1, 8), "lru", 3, "a2a", 0.2, marks=pytest.mark.slow),
     pytest.param((4, 2), (1, 8), "lru", 3, "broadcast", 1.0, marks=pytest.mark.slow)])
@@ -89,7 +90,8 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
                                                  distinct):
   """Ids routed to their owners (padded a2a, or ragged as on GPU, emulated on CPU), through
   routes sized for fewer distinct ids (0.2-0.3), so that about half or most of the steps
-  overflow them, or by broadcast (the overflow path, forced)."""
+  overflow them, or by broadcast (the overflow path, forced); on one device (1 x 1) no
+  route: the device resolves its distinct ids itself."""
   ref = RefMap(ROWS, K, eviction, ttl)
   stream = _stream(hash((first, eviction)) % 1000, 8)
   totals = dict.fromkeys(managed.COUNTERS, 0)
@@ -188,15 +190,18 @@ def _most_per_owner(plan, host) -> int:
   return np.bincount(managed.window_of(pairs[:, 0], pairs[:, 1], ROWS // K, xp=np) * K // rps).max()
 
 
-@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
-def test_owner_past_its_distinct_cap_redoes_the_step(exchange, monkeypatch):
-  """An owner resolves at most `_distinct_cap` distinct ids (either route); in a step where
-  some owner holds more, no write of the by-owner route lands and every table is resolved
-  again by broadcast: rows and maps still equal the reference's."""
-  cap = 14          # the stream's most distinct ids per owner: 14, 13, 16, 13, 16, 14
+@pytest.mark.parametrize("exchange,mesh,cap", [
+    ("a2a", (2, 4), 14),  # the stream's most distinct ids per owner: 14, 13, 16, 13, 16, 14
+    ("ragged", (2, 4), 14),
+    ("a2a", (1, 1), 40)])   # one device, the batch's distinct ids: 39, 37, 43, 41, 43, 38
+def test_owner_past_its_distinct_cap_redoes_the_step(exchange, mesh, cap, monkeypatch):
+  """An owner resolves at most `_distinct_cap` distinct ids (either route, or one device
+  resolving its own); in a step where some owner holds more, no write of the capped resolve
+  lands and every table is resolved again by broadcast: rows and maps still equal the
+  reference's."""
   monkeypatch.setattr(managed, "_distinct_cap", lambda plan, t, x: cap)
   ref = RefMap(ROWS, K, "lru", 3)
-  plan = _plan(make_mesh(2, 4), "lru", 3, exchange)
+  plan = _plan(make_mesh(*mesh), "lru", 3, exchange)
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
   over = []
   for step, host in enumerate(_stream(13, 6)):
@@ -253,13 +258,19 @@ def _one_feature_each_plan(mesh, exchange):
 
 
 @pytest.mark.parametrize("tables", ["shared", "one_feature_each"])
-@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
-def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, tables):
+@pytest.mark.parametrize("exchange,mesh", [("a2a", (2, 4)), ("ragged", (2, 4)), ("a2a", (1, 1))])
+def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, mesh, tables,
+                                                                      monkeypatch):
   """`gather_rows` with the resolve's distinct rows (no sort, owner order) gives the same
   embeddings, gradients and updated tables, bit for bit, as with its own deduplication
   (`rw_distinct`), over a stream with inserts, evictions and ids left without a row: two
-  features of one table, or one feature per table with steps redone by broadcast."""
-  mesh = make_mesh(2, 4)
+  features of one table, or one feature per table with steps redone by broadcast (on one
+  device: the one resolve's distinct rows)."""
+  if mesh == (1, 1) and tables != "shared":   # one device: "v" resolves at most 27 distinct
+    cap = managed._distinct_cap    # ids; it gets 30, 26, 25, 27, 23, 28: steps 0, 5 are redone
+    monkeypatch.setattr(managed, "_distinct_cap",
+                        lambda p, t, x: min(cap(p, t, x), 27) if t.name == "v" else cap(p, t, x))
+  mesh = make_mesh(*mesh)
   plan = _plan(mesh, "lru", 0, exchange) if tables == "shared" else _one_feature_each_plan(
       mesh, exchange)
   f = lambda e: e * jnp.cos(e)  # noqa: E731  (a gradient that differs per row)

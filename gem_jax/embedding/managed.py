@@ -62,6 +62,11 @@ device the row of every id. It runs in a `while_loop` taken once or never, after
 by-owner route's writes (dropped in such a step), so the common step carries no
 fallback-sized buffers. Both paths give the same rows and maps (tested). One `psum` (the
 flags and the counters; ragged: and the `pmax`) serves all managed tables.
+With one shard (S = 1: every device holds whole tables) there is no route: each device
+resolves the global batch's ids (its own when R = 1) with one deduplication, at most as
+many distinct ids as the id statistics allow for (`EmbeddingPlan.managed_owner_distinct`;
+more: the step is redone by broadcast, as above), and on a single device the lookup takes
+its distinct rows as from the routes.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
@@ -414,13 +419,15 @@ def _window_or(claimed, wseg):
 
 
 def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, update: bool,
-                   w=None, cap: int | None = None):
+                   w=None, cap: int | None = None, distinct: bool = False):
   """This owner's part of ids g (M, 2) (every id of its windows in the global batch must be
   among them; `w` (M,): occurrences of each, default 1), read against its map `st` ->
   (global row per input position (M,), -1 for other owners' ids and ids left without a
   row; local counts (7,): ids, hits, inserts, evictions, expired, collisions, inserts
   into empty rows; the writes (map rows (D,), rps = none, their hi, lo, count; rows to
-  re-initialise (D,), rps = none: `_apply_writes`); fits). No collective inside.
+  re-initialise (D,), rps = none: `_apply_writes`); fits). No collective inside. With
+  `distinct` the rows come per distinct id instead, as (rows (M,), the distinct index of
+  each input position (M,)): rows[inv] are the rows per position.
 
   After the deduplication only the first D = min(`cap`, M) distinct ids are resolved (a
   padded route's M slots hold far fewer distinct ids: the same id from several requesters,
@@ -452,8 +459,10 @@ def _owner_resolve(plan: EmbeddingPlan, t: TableConfig, st: dict, g, step, updat
   back = jnp.any(own, axis=1) & ~hit             # it takes that row back: no duplicate key
   own_k = _only_index(own)
 
-  def by_position(local):                       # local row per distinct id -> global per input
-    return jnp.where(local >= 0, shard * rps + local, -1)[inv]
+  def by_position(local):   # local row per distinct id (D,) -> global per input (M,)
+    rows = jnp.pad(jnp.where(local >= 0, shard * rps + local, -1), (0, M - D),
+                   constant_values=-1)                                     # (M,) per distinct id
+    return (rows, inv) if distinct else rows[inv]
 
   if not update:
     nothing = jnp.full((D,), rps, jnp.int32)
@@ -582,6 +591,18 @@ def _by_owner(plan: EmbeddingPlan) -> bool:
   return plan.num_shards > 1 and plan.rw_exchange != "broadcast"
 
 
+def _one_shard(plan: EmbeddingPlan) -> bool:
+  """Every device holds whole tables (S = 1): each resolves the global batch's ids itself
+  (`_resolve_all`), with no route."""
+  return plan.num_shards == 1 and plan.rw_exchange != "broadcast"
+
+
+def _device_distinct(plan: EmbeddingPlan) -> bool:
+  """The resolve deduplicates each device's own ids, so the lookup can take its distinct
+  rows (`resolve(..., distinct=True)`): by owner, or on a single device."""
+  return _by_owner(plan) or (_one_shard(plan) and plan.num_replicas == 1)
+
+
 def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
   """Distinct ids per (device, owner) of the padded route (`_route_a2a`), or per owner from
   its whole group (M) of the ragged one (`_route_ragged`)."""
@@ -593,10 +614,14 @@ def _capacity(plan: EmbeddingPlan, t: TableConfig, x) -> int:
 def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
   with the writes applied (unchanged unless `update`), [(rows (n,), counts (7,) summed over
-  the owners)] per table, [the requester's distinct index of each id (n,) (`_owners`)] per
-  table or None when no route deduplicates by owner, whether the step was resolved by
-  broadcast (bool scalar, the same on every device)). The rows are those of the device's
-  distinct ids (`rows[inv]` per id slot) when by owner, else of its id slots.
+  the owners)] per table, [the device's distinct index of each id (n,)] per table or None
+  when the resolve does not deduplicate the device's own ids (`_device_distinct`), whether
+  the step was resolved by broadcast (bool scalar, the same on every device)). The rows are
+  those of the device's distinct ids (`rows[inv]` per id slot) when it does, else of its
+  id slots.
+
+  One shard (`_one_shard`): the device resolves the global batch's ids itself, capped at
+  `_distinct_cap` distinct ids; past the cap the step is redone by broadcast, as below.
 
   By owner (`_route_a2a`, all tables in one exchange; `_route_ragged`, table by table)
   unless some (device, owner) pair of some table has more than its C distinct ids anywhere
@@ -627,12 +652,42 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     counts = jax.lax.psum(jnp.stack([c for _, c, _ in got]), "shard")    # (T, 7)
     return apply(subs, got, True), [(r, c) for (r, _, _), c in zip(got, counts)]
 
+  rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
+
+  def masked(got, redo):   # a step to redo: the first attempt's writes dropped
+    return [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
+            for (r, c, (upd, hi, lo, cnt, reset), f), p in zip(got, rps)]
+
+  def finish(got, redo, invs, chunk_map):   # the writes, then the redo by broadcast if needed
+    subs_, out = apply(subs, masked(got, redo), chunk_map), [(r, c) for r, c, *_ in got]
+
+    def redo_by_broadcast(c):   # the broadcast's rows per slot -> per distinct id
+      subs, out = broadcast(c[1])
+      if invs is None:
+        return False, subs, out
+      return False, subs, [(jnp.full(r0.shape, -1, r.dtype).at[inv].set(r), n)
+                           for (r, n), inv, (r0, _) in zip(out, invs, c[2])]
+    _, subs_, out = jax.lax.while_loop(lambda c: c[0], redo_by_broadcast, (redo, subs_, out))
+    return subs_, out, invs, redo
+
+  if _one_shard(plan):   # whole tables on every device: its resolve on the batch's distinct ids
+    R, got = plan.num_replicas, []
+    for t, m, x in zip(ts, maps_of(subs), xs):
+      g = x if R == 1 else jax.lax.all_gather(x, BATCH, axis=0, tiled=True)   # (R n, 2)
+      cap = min(_distinct_cap(plan, t, x), g.shape[0])
+      r, c, dec, fits = _owner_resolve(plan, t, m, g, step, update, cap=cap, distinct=R == 1)
+      if R > 1:   # this device's slots of the global batch
+        r = jax.lax.dynamic_slice(r, (jax.lax.axis_index(BATCH) * x.shape[0],), (x.shape[0],))
+      got.append((r, c, dec, fits))
+    redo = ~jnp.all(jnp.stack([f for *_, f in got]))   # the same ids, so the same on every device
+    invs = [inv for (_, inv), *_ in got] if R == 1 else None
+    got = [((r[0] if R == 1 else r), c, dec, f) for r, c, dec, f in got]
+    return finish(got, redo, invs, False)
   if not _by_owner(plan):
     return (*broadcast(subs), None, jnp.bool_(True))
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
-  rps = [plan.buffers[plan.buffer_of[t.name]].local_rows for t in ts]
   if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
     over = vma.pmax(jnp.any(jax.lax.psum(runs, "shard") > jnp.asarray(caps)[:, None])
                     .astype(jnp.int32), BATCH) > 0
@@ -663,17 +718,8 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   both = jax.lax.psum(vma.to_varying(both, BATCH), BATCH)
   counts = both[:-1].reshape(len(ts), -1) // plan.num_replicas             # (T, 7)
   redo = over | (both[-1] > 0)
-  got = [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
-         for (r, _, (upd, hi, lo, cnt, reset), f), c, p in zip(got, counts, rps)]
-  subs, out = apply(subs, got, False), [(r, c) for r, c, *_ in got]
-  invs = [inv for (inv, *_), _ in owned]
-
-  def redo_by_broadcast(c):   # the broadcast's rows per slot -> per distinct id
-    subs, out = broadcast(c[1])
-    return False, subs, [(jnp.full(r.shape, -1, r.dtype).at[inv].set(r), n)
-                         for (r, n), inv in zip(out, invs)]
-  _, subs, out = jax.lax.while_loop(lambda c: c[0], redo_by_broadcast, (redo, subs, out))
-  return subs, out, invs, redo
+  got = [(r, c, dec, f) for (r, _, dec, f), c in zip(got, counts)]
+  return finish(got, redo, [inv for (inv, *_), _ in owned], False)
 
 
 def _feature_distinct(d_row, inv, start: int, size: int):
@@ -777,12 +823,13 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
       the others none (-1: zero embeddings); the state is not changed.
     distinct: also return the managed features' distinct rows per device, as
       `gather_rows(..., distinct=)` takes them: the lookup then skips its own
-      deduplication (two sorts per feature and device), which the route did already.
+      deduplication (two sorts per feature and device), which the resolve did already.
   Returns:
     (state, ids with every managed feature as int32 (B, bag) global rows, -1 at padding
     and at ids left without a row, {table: {counter: int32 ()}}, see the module doc),
     and with `distinct` a fourth: {feature: (uniq (R S n,), inverse (B, bag))} (n = b x
-    bag per device; `_feature_distinct`), {} when no route deduplicates by owner.
+    bag per device; `_feature_distinct`), {} when the resolve does not deduplicate each
+    device's ids (several replicas of whole tables, or `rw_exchange='broadcast'`).
   """
   names = plan.managed_tables()
   if not names:
@@ -792,7 +839,7 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   feats = {t: [f for f, c in plan.features.items() if c.table == t] for t in names}
   key = jax.random.fold_in(jax.random.key(0) if key is None else key, step)
 
-  with_distinct = distinct and _by_owner(plan)
+  with_distinct = distinct and _device_distinct(plan)
 
   def body(sub, raw, step, key):
     rows, counters, dist = {}, {}, {}

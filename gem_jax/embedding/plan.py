@@ -264,11 +264,14 @@ class EmbeddingPlan:
     the batch's distinct ids (`Unit.batch_distinct_share` of its B x bag slots, all the
     table's features together) over the S owners. Without id statistics every slot.
       Example: B = 4,096, bag 4, S = 8, half the slots distinct: 8,192 ids, 1,024 per
-      owner, 1,024 + 4 sqrt(1,024) + 1 = 1,153."""
+      owner, 1,024 + 4 sqrt(1,024) + 1 = 1,153. With one shard (S = 1) the same margin over
+      the batch's distinct ids (`layout.rw_capacity` would give every slot)."""
     us = [u for u in self.units.values()
           if u.kind == "row_wise" and self.features[u.features[0]].table == table]
     slots = sum(self.batch_size * u.bag for u in us)
     distinct = sum(u.batch_distinct_share * self.batch_size * u.bag for u in us)
+    if self.num_shards == 1:   # one owner: no split to allow for, the margin of the count
+      return int(min(slots, math.ceil(distinct + 4 * math.sqrt(distinct)) + 1))
     return layout.rw_capacity(distinct, self.num_shards, slots)
 
   def rw_slots(self, u: Unit) -> int:
