@@ -140,6 +140,8 @@ def get_config() -> ml_collections.ConfigDict:
                                       # logloss/ne: min); early stopping watches it too
   c.train.early_stop_patience = 0     # > 0: stop after this many evals without a new best
   c.train.grad_accum = 1              # micro-batches per step (must divide the per-device batch)
+  c.train.grad_reduce_dtype = "float32"  # dense weight gradients' cross-device reductions:
+                                      # float32 | bfloat16 (half the bytes; model.dtype bfloat16)
   c.train.profile_steps = ""          # 'A,B': trace steps [A, B) into the workdir; '' off
   c.train.compile_cache = ""          # XLA cache dir; '' = $GEM_JAX_COMPILE_CACHE or ~/.cache
   c.train.stop_at = 0                 # > 0: stop (and checkpoint) here: a simulated preemption

@@ -15,6 +15,11 @@ Precision policy (set once per model, passed down as arguments):
     on GPU, fp32 Eigen on CPU);
   * bf16 on CPU: `row_major_matmul` also writes the two backward matmuls with
     row-major operands so that XLA:CPU runs them in its bf16 matmul library.
+  * optionally (`weight_grad_dtype`, the trainer's `train.grad_reduce_dtype`) the weight
+    gradients of `matmul` leave their dot in bf16: each device's partial sum over its
+    rows is rounded once, and the cross-device reduction XLA's partitioner puts on the
+    dot's output (reduce-scatter, all-reduce) moves half the bytes; the gradient is
+    fp32 again after it. Default: fp32 partial sums and reductions.
 
 Parameters carry logical axis names in their `logical_axes` metadata, e.g.
 `('embed', 'mlp')`; `gem_jax.parallel.sharding` maps those names onto mesh axes
@@ -90,14 +95,16 @@ def _einsum_operands(spec: str) -> tuple[str, str, str]:
   return a, b, out
 
 
-def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Array:
+def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype,
+                b_grad_dtype: Dtype | None = None) -> jax.Array:
   """einsum(spec, a, b) on operands cast to `dtype`, fp32 accumulation and result.
 
   Narrower than fp32 (bf16, fp16), the backward dots also run in `dtype`:
     da = einsum('out,b->a', g.astype(dtype), b),   db = einsum('a,out->b', a, g.astype(dtype))
   with fp32 accumulation, returned in a's and b's own dtypes (an fp32 weight gets
   an fp32 gradient). In fp32 (see `use_lowp_backward`) this is plain `jnp.einsum`
-  with autodiff.
+  with autodiff. `b_grad_dtype`: the dtype db leaves its dot in (then cast to b's dtype);
+  None: fp32.
   """
   if not use_lowp_backward(dtype):
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
@@ -106,7 +113,8 @@ def lowp_einsum(spec: str, a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Arra
   if ea is not None and eb is not None and ea != eb:
     raise ValueError(f"einsum spec {spec!r}: '...' broadcasts {a.shape} against {b.shape}; "
                      "the backward needs equal '...' shapes")
-  return _lowp_einsum(spec, a, b, jnp.dtype(dtype))
+  return _lowp_einsum(spec, a, b, jnp.dtype(dtype),
+                      jnp.dtype(b_grad_dtype or jnp.float32))
 
 
 def _ellipsis_shape(sub: str, x: jax.Array) -> tuple[int, ...] | None:
@@ -117,23 +125,23 @@ def _ellipsis_shape(sub: str, x: jax.Array) -> tuple[int, ...] | None:
   return tuple(x.shape[i:i + x.ndim - (len(sub) - 3)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _lowp_einsum(spec, a, b, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _lowp_einsum(spec, a, b, dtype, b_grad_dtype):
   return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _lowp_fwd(spec, a, b, dtype):
+def _lowp_fwd(spec, a, b, dtype, b_grad_dtype):
   ac, bc = a.astype(dtype), b.astype(dtype)
   y = jnp.einsum(spec, ac, bc, preferred_element_type=jnp.float32)
   return y, (ac, bc, jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))  # last: dtypes
 
 
-def _lowp_bwd(spec, dtype, res, g):
+def _lowp_bwd(spec, dtype, b_grad_dtype, res, g):
   ac, bc, a_proto, b_proto = res
   sa, sb, out = _einsum_operands(spec)
   g = g.astype(dtype)
   da = jnp.einsum(f"{out},{sb}->{sa}", g, bc, preferred_element_type=jnp.float32)
-  db = jnp.einsum(f"{sa},{out}->{sb}", ac, g, preferred_element_type=jnp.float32)
+  db = jnp.einsum(f"{sa},{out}->{sb}", ac, g, preferred_element_type=b_grad_dtype)
   return da.astype(a_proto.dtype), db.astype(b_proto.dtype)
 
 
@@ -145,8 +153,9 @@ def _row_major_t(a: jax.Array) -> jax.Array:
   return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any, w_grad_dtype: Any = jnp.float32
+                     ) -> jax.Array:
   """x @ w in `dtype` with fp32 accumulation, returned in fp32. x: (..., K), w: (K, N).
 
   Same value and dtypes as `lowp_einsum('...k,kn->...n', x, w, dtype)`; only the
@@ -159,18 +168,19 @@ def row_major_matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
     dx = g @ (w^T)    (..., N) x (N, K)     w^T copied row-major (small)
     dW = (x^T) @ g    (K, M) x (M, N)       x^T copied row-major (M = rows of x)
        = ((g^T) @ x)^T                       when N <= K / 2: the narrower g copied instead
-  and dW is accumulated and returned in fp32 (w's dtype), not rounded to bf16.
+  and dW is accumulated in fp32 and leaves its dot in `w_grad_dtype` (fp32: not rounded),
+  returned in w's dtype.
   """
   return jnp.einsum("...k,kn->...n", x.astype(dtype), w.astype(dtype),
                     preferred_element_type=jnp.float32)
 
 
-def _rm_fwd(x, w, dtype):
+def _rm_fwd(x, w, dtype, w_grad_dtype):
   xc = x.astype(dtype)
-  return row_major_matmul(x, w, dtype), (xc, w, jnp.zeros((0,), x.dtype))  # last: x's dtype
+  return row_major_matmul(x, w, dtype, w_grad_dtype), (xc, w, jnp.zeros((0,), x.dtype))
 
 
-def _rm_bwd(dtype, res, g):
+def _rm_bwd(dtype, w_grad_dtype, res, g):
   xc, w, x_proto = res
   k, n = w.shape
   g = g.astype(dtype)  # (..., N)
@@ -178,11 +188,11 @@ def _rm_bwd(dtype, res, g):
                   preferred_element_type=jnp.float32)  # (..., K)
   if 2 * n <= k:  # transpose the narrower batch-tall operand (half or less): dW = (g^T x)^T
     dwt = jnp.dot(_row_major_t(g.reshape(-1, n)), xc.reshape(-1, k),
-                  preferred_element_type=jnp.float32)  # (N, K)
+                  preferred_element_type=w_grad_dtype)  # (N, K)
     dw = _row_major_t(with_layout_constraint(dwt, Layout(major_to_minor=(0, 1))))  # (K, N)
   else:
     dw = jnp.dot(_row_major_t(xc.reshape(-1, k)), g.reshape(-1, n),
-                 preferred_element_type=jnp.float32)  # (K, N)
+                 preferred_element_type=w_grad_dtype)  # (K, N)
   return dx.astype(x_proto.dtype), dw.astype(w.dtype)
 
 
@@ -193,11 +203,13 @@ def matmul(x: jax.Array, w: jax.Array, dtype: Dtype) -> jax.Array:
   """x @ w under the precision policy: operands in `dtype`, fp32 accumulation and result.
 
   x: (..., K), w: (K, N) -> (..., N) fp32. The backward runs in `dtype` too
-  (`lowp_einsum`), with row-major operands on CPU in bf16 (`row_major_matmul`).
+  (`lowp_einsum`), with row-major operands on CPU in bf16 (`row_major_matmul`); dW leaves
+  its dot in `weight_grad_dtype`'s dtype (fp32 unless set).
   """
+  wg = jnp.dtype(_WEIGHT_GRAD_DTYPE[0] or jnp.float32)
   if use_row_major_backward(dtype):
-    return row_major_matmul(x, w, dtype)
-  return lowp_einsum("...k,kn->...n", x, w, dtype)
+    return row_major_matmul(x, w, dtype, wg)
+  return lowp_einsum("...k,kn->...n", x, w, dtype, wg)
 
 
 @contextlib.contextmanager
@@ -211,6 +223,15 @@ def _forced(cell: list, enabled: bool | None) -> Iterator[None]:
 
 _ROW_MAJOR_BACKWARD: list[bool | None] = [None]  # None: auto (bf16 on CPU)
 _LOWP_BACKWARD: list[bool | None] = [None]  # None: auto (narrow dtype)
+_WEIGHT_GRAD_DTYPE: list[Any] = [None]  # None: fp32
+
+
+def weight_grad_dtype(dtype: Dtype | None):
+  """While tracing: the dtype `matmul`'s weight gradients leave their dot in, i.e. the
+  dtype of the cross-device reductions XLA's partitioner puts after that dot (None or
+  fp32: fp32). Takes effect where the backward runs in a narrow compute dtype
+  (`use_lowp_backward`); fp32 compute keeps fp32 weight gradients."""
+  return _forced(_WEIGHT_GRAD_DTYPE, None if dtype is None else jnp.dtype(dtype))
 
 
 def row_major_backward(enabled: bool | None):

@@ -490,6 +490,13 @@ class Setup(NamedTuple):
   steps: int                 # train steps (resolve_steps: train.steps or train.epochs)
 
 
+def grad_reduce_dtype(config):
+  """`config.train.grad_reduce_dtype` as the step takes it: None for fp32 (checked by
+  `validate.check_config`)."""
+  name = config.train.get("grad_reduce_dtype", "float32")
+  return None if name == "float32" else jnp.dtype(name)
+
+
 def setup(config) -> Setup:
   """Validates `config` and builds everything up to (not including) the arrays.
 
@@ -510,7 +517,7 @@ def setup(config) -> Setup:
   model_fn = model_factory(config.model, spec, feature_dims)
   p = state_parts(model_fn, plan, spec, mesh, config.optim, config.embedding, steps)
   step_cfg = step_lib.StepConfig(p.graphdef, plan, p.tx, p.schedule, p.sparse_lr, spec,
-                                 config.train.grad_accum)
+                                 config.train.grad_accum, grad_reduce_dtype(config))
   eval_cfg = dataclasses.replace(step_cfg, plan=eval_plan, grad_accum=1)
   if packing_fit(config, spec) is not None:
     # Evaluation, prediction and export run the padded twin (same parameters): exact for

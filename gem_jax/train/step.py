@@ -48,7 +48,7 @@ from flax import nnx
 
 from gem_jax import embedding as emb_lib
 from gem_jax.data.spec import DataSpec
-from gem_jax.layers import heads
+from gem_jax.layers import dense, heads
 from gem_jax.parallel import sharding
 from gem_jax.train import nonfinite
 from gem_jax.train.state import TrainState
@@ -65,6 +65,8 @@ class StepConfig:
     sparse_lr: step -> embedding learning rate.
     spec: the DataSpec (which features are pooled / sequence items).
     grad_accum: micro-batches per step.
+    grad_reduce_dtype: dtype of the dense weight gradients' cross-device reductions
+      (`loss_grads`); None: fp32.
   """
   graphdef: Any
   plan: Any
@@ -73,6 +75,7 @@ class StepConfig:
   sparse_lr: Callable
   spec: DataSpec
   grad_accum: int = 1
+  grad_reduce_dtype: Any = None
 
 
 def model_inputs(spec: DataSpec, batch: dict, emb: dict) -> dict:
@@ -150,7 +153,7 @@ def _total(terms: dict) -> jax.Array:
 
 
 def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
-               loss: Loss = BCE):
+               loss: Loss = BCE, reduce_dtype=None):
   """(loss, terms, g_params, g_emb) of `loss` (the sum of its terms), over `grad_accum`
   micro-batches.
 
@@ -159,7 +162,19 @@ def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
   accumulator, summed over R once after the loop: the gradients are reduced over
   'shard' per micro-batch but across replicas (between nodes) once per step, not k
   times. Same gradient; summation order differs.
+
+  `reduce_dtype` (e.g. bf16; None: fp32): the dense weight gradients' cross-device
+  reductions run in it (`dense.weight_grad_dtype`; the accumulator's sum over replicas
+  too), at half the bytes of fp32 for bf16; each device's partial sum is rounded to it
+  once before the reduction, and the gradient is fp32 again after it.
   """
+  with dense.weight_grad_dtype(reduce_dtype):
+    return _loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum, loss,
+                       reduce_dtype)
+
+
+def _loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum, loss,
+                reduce_dtype):
   def total(p, e, b):
     t = loss.terms(p, e, b, model_state, graphdef, spec)
     return _total(t), t
@@ -206,8 +221,11 @@ def loss_grads(params, emb, batch, model_state, graphdef, spec, grad_accum: int,
   zeros = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), full),
            jax.tree.map(lambda p: jnp.zeros(((R,) if R > 1 else ()) + p.shape, p.dtype), params))
   (terms, g_params), g_emb = jax.lax.scan(body, zeros, micro)
-  if R > 1:
-    g_params = jax.tree.map(lambda g: jnp.sum(g, axis=0), g_params)   # across replicas, once
+  if R > 1:   # across replicas, once (lax.reduce: jnp.sum would sum bf16 in fp32)
+    rd = jnp.dtype(reduce_dtype or jnp.float32)
+    g_params = jax.tree.map(lambda g: jax.lax.reduce(g.astype(rd), jnp.zeros((), rd),
+                                                     jax.lax.add, (0,)).astype(g.dtype),
+                            g_params)
     g_emb = jax.tree.map(lambda g: g.reshape((k, -1) + g.shape[3:]), g_emb)
   return _total(terms), terms, g_params, jax.tree.map(lambda g: _from_micro(g, k), g_emb)
 
@@ -256,7 +274,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: StepConfig, loss_fn: Loss
   with sharding.activation_sharding(plan.mesh):
     loss, terms, g_params, g_emb = loss_grads(state.params, emb, _dense_part(batch),
                                               state.model_state, cfg.graphdef, cfg.spec,
-                                              cfg.grad_accum, loss_fn)
+                                              cfg.grad_accum, loss_fn, cfg.grad_reduce_dtype)
   (g_rows,) = pool_vjp(g_emb)
   if trainable is not None:
     g_params = _masked(g_params, trainable)

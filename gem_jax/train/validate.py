@@ -49,6 +49,13 @@ def check_config(config, num_devices: int) -> tuple[int, int]:
                       f"mesh {mesh_shape} (and by the {jax.process_count()} processes)")
   if k < 1 or (b // n) % k:
     raise ConfigError(f"config.train.grad_accum={k} must divide the per-device batch {b // n}")
+  reduce_dtype = config.train.get("grad_reduce_dtype", "float32")
+  if reduce_dtype not in ("float32", "bfloat16"):
+    raise ConfigError(f"config.train.grad_reduce_dtype={reduce_dtype!r}: float32 or bfloat16")
+  if reduce_dtype == "bfloat16" and config.model.get("dtype", "float32") != "bfloat16":
+    raise ConfigError(f"config.train.grad_reduce_dtype='bfloat16' needs "
+                      f"config.model.dtype='bfloat16' (it is {config.model.get('dtype')!r}): the "
+                      "weight gradients leave their dots in bf16 only in a bf16 backward")
   if config.data.eval_batch_size % n:
     raise ConfigError(f"config.data.eval_batch_size={config.data.eval_batch_size} must be "
                       f"divisible by the {n} devices")
