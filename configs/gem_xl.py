@@ -12,7 +12,9 @@ bf16 compute with fp32 master weights, remat of the dots; --config.model.fp8=Tru
 the large matmuls in fp8 (H100-class GPUs). Mesh 1 x -1: one GPU (batch 512), or a node
 with the dense parameters and tables split over its GPUs (--config.data.batch_size=4096
 for 8 GPUs). Data: data.kind 'long_history' (gem_jax/data/long_history_source.py); point
-data.kind/train/eval at real logs for real work.
+data.kind/train/eval at real logs for real work. On many nodes,
+--config.train.grad_reduce_dtype=bfloat16 halves the gradient bytes between them, the term
+that limits the projected step (docs/PERFORMANCE.md, "Scale projection").
 Sizes (analytic, gem_jax.flops; the histories at their real lengths): 2.69B dense
 parameters, 22.9 GFLOPs training FLOPs per example of useful work (43.6 at the padded
 length 2048 that packing avoids; 7.6 forward useful, of which 5.5 in the Wukong stack).

@@ -193,7 +193,8 @@ def _most_per_owner(plan, host) -> int:
 @pytest.mark.parametrize("exchange,mesh,cap", [
     ("a2a", (2, 4), 14),  # the stream's most distinct ids per owner: 14, 13, 16, 13, 16, 14
     ("ragged", (2, 4), 14),
-    ("a2a", (1, 1), 40)])   # one device, the batch's distinct ids: 39, 37, 43, 41, 43, 38
+    ("a2a", (1, 1), 40)],   # one device, the batch's distinct ids: 39, 37, 43, 41, 43, 38
+    ids=["a2a-2x4", "ragged-2x4", "one_device"])
 def test_owner_past_its_distinct_cap_redoes_the_step(exchange, mesh, cap, monkeypatch):
   """An owner resolves at most `_distinct_cap` distinct ids (either route, or one device
   resolving its own); in a step where some owner holds more, no write of the capped resolve
@@ -258,7 +259,8 @@ def _one_feature_each_plan(mesh, exchange):
 
 
 @pytest.mark.parametrize("tables", ["shared", "one_feature_each"])
-@pytest.mark.parametrize("exchange,mesh", [("a2a", (2, 4)), ("ragged", (2, 4)), ("a2a", (1, 1))])
+@pytest.mark.parametrize("exchange,mesh", [("a2a", (2, 4)), ("ragged", (2, 4)), ("a2a", (1, 1))],
+                         ids=["a2a-2x4", "ragged-2x4", "one_device"])
 def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, mesh, tables,
                                                                       monkeypatch):
   """`gather_rows` with the resolve's distinct rows (no sort, owner order) gives the same
