@@ -31,6 +31,16 @@ def cols_per_shard(dim: int, num_shards: int) -> int:
   return ceil_div(dim, num_shards)
 
 
+def count_bound(mean: float, limit: int, sigmas: float = 4.0) -> int:
+  """A count of expected value `mean` (binomial-like) with room: ceil(mean + sigmas
+  sqrt(mean)) + 1, at most `limit`.
+
+  >>> count_bound(64, 512)   # 64 + 4 * 8 + 1
+  97
+  """
+  return int(min(limit, math.ceil(mean + sigmas * math.sqrt(mean)) + 1))
+
+
 def rw_capacity(distinct: float, num_shards: int, slots: int, sigmas: float = 4.0) -> int:
   """Ids one device sends to one owner per step (the row-wise all_to_all buffer width).
 
@@ -43,8 +53,7 @@ def rw_capacity(distinct: float, num_shards: int, slots: int, sigmas: float = 4.
   """
   if num_shards == 1:
     return slots
-  m = distinct / num_shards
-  return int(min(slots, math.ceil(m + sigmas * math.sqrt(m)) + 1))
+  return count_bound(distinct / num_shards, slots, sigmas)
 
 
 def row_owner(ids, rps: int):

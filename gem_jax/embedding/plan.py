@@ -271,7 +271,7 @@ class EmbeddingPlan:
     slots = sum(self.batch_size * u.bag for u in us)
     distinct = sum(u.batch_distinct_share * self.batch_size * u.bag for u in us)
     if self.num_shards == 1:   # one owner: no split to allow for, the margin of the count
-      return int(min(slots, math.ceil(distinct + 4 * math.sqrt(distinct)) + 1))
+      return layout.count_bound(distinct, slots)
     return layout.rw_capacity(distinct, self.num_shards, slots)
 
   def rw_slots(self, u: Unit) -> int:

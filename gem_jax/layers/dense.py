@@ -206,10 +206,9 @@ def matmul(x: jax.Array, w: jax.Array, dtype: Dtype) -> jax.Array:
   (`lowp_einsum`), with row-major operands on CPU in bf16 (`row_major_matmul`); dW leaves
   its dot in `weight_grad_dtype`'s dtype (fp32 unless set).
   """
-  wg = jnp.dtype(_WEIGHT_GRAD_DTYPE[0] or jnp.float32)
   if use_row_major_backward(dtype):
-    return row_major_matmul(x, w, dtype, wg)
-  return lowp_einsum("...k,kn->...n", x, w, dtype, wg)
+    return row_major_matmul(x, w, dtype, _WEIGHT_GRAD_DTYPE[0])
+  return lowp_einsum("...k,kn->...n", x, w, dtype, _WEIGHT_GRAD_DTYPE[0])
 
 
 @contextlib.contextmanager
@@ -223,7 +222,7 @@ def _forced(cell: list, enabled: bool | None) -> Iterator[None]:
 
 _ROW_MAJOR_BACKWARD: list[bool | None] = [None]  # None: auto (bf16 on CPU)
 _LOWP_BACKWARD: list[bool | None] = [None]  # None: auto (narrow dtype)
-_WEIGHT_GRAD_DTYPE: list[Any] = [None]  # None: fp32
+_WEIGHT_GRAD_DTYPE: list[Any] = [jnp.dtype(jnp.float32)]
 
 
 def weight_grad_dtype(dtype: Dtype | None):
@@ -231,7 +230,7 @@ def weight_grad_dtype(dtype: Dtype | None):
   dtype of the cross-device reductions XLA's partitioner puts after that dot (None or
   fp32: fp32). Takes effect where the backward runs in a narrow compute dtype
   (`use_lowp_backward`); fp32 compute keeps fp32 weight gradients."""
-  return _forced(_WEIGHT_GRAD_DTYPE, None if dtype is None else jnp.dtype(dtype))
+  return _forced(_WEIGHT_GRAD_DTYPE, jnp.dtype(dtype or jnp.float32))
 
 
 def row_major_backward(enabled: bool | None):
