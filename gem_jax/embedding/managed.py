@@ -69,12 +69,14 @@ more: the step is redone by broadcast, as above), and on a single device the loo
 its distinct rows as from the routes.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
-sort of a single int32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
-lead count leaves below 2^31: 27 for 8 owners, 16 for 19,532 windows per owner), then
-each id's distinct index by binary search of its key (XLA:CPU sorts one int32 operand
-without calling a comparator: 2,600 ids in 0.13 ms with the search, 0.9 ms by the 6-operand
-(lead, fp, hi, lo) sort). Exact: when two different ids share a key (checked on every id),
-that device sorts by (lead, fp, hi, lo) instead (one lax.cond, no collective inside).
+sort of a single uint32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
+lead count leaves of 32: 28 for 8 owners, 17 for 19,532 windows per owner), then each id's
+distinct index by binary search of its key (XLA:CPU sorts one operand without calling a
+comparator: 2,600 ids in 0.13 ms with the search, 0.9 ms by the 6-operand (lead, fp, hi,
+lo) sort). Exact: when two different ids share a key (checked on every id; likely once a
+device's batch holds tens of thousands of distinct ids), one more single-key sort splits
+the tied runs by the next bits of fp, and only if ids still tie does that device sort by
+(lead, fp, hi, lo) (a lax.cond each, no collective inside).
 Either way each window's distinct ids come out in the policy's (fp(x), x) order, so a
 miss's rank (step 2) is a running count of the misses before it. Per device and step: two
 single-key sorts of about b x bag ids, K map entries read per id, and writes by the count
@@ -115,6 +117,7 @@ _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
 _MAP_ROWS = tuple(k for k in MAP_LEAVES if k != "map_used")   # the per-row map leaves
 _MIN_FP_BITS = 8     # fewer fingerprint bits in a key: always the exact sort
+_KEY_PAD = (1 << 32) - 1   # uint32 dedup key of padding (`_distinct_keyed`)
 
 
 # ---- the window hash, identical in numpy (host, reference) and jnp (device) ----------
@@ -315,16 +318,15 @@ def _distinct_sorted(hi, lo, lead, w):
   return jnp.zeros((M,), jnp.int32).at[src].set(did), d_lead, d_hi, d_lo, occ
 
 
-def _distinct_keyed(hi, lo, lead, w, bits: int):
+def _distinct_keyed(hi, lo, lead, w, key):
   """`_distinct_sorted`'s outputs by a single-key sort (the fast path of XLA:CPU's sort: one
-  int32 operand, no comparator call): key = lead 2^bits + a `bits`-bit fingerprint of the
-  id, each input's distinct index by binary search of its key in the sorted keys. Also
-  returns `exact`: no two different ids share a key (else the result is wrong and the
-  caller sorts instead); then the order within a lead is (fp, id), as `_distinct_sorted`'s."""
+  operand, no comparator call) of `key` (M,) uint32, which orders the ids as (lead, fp) do
+  (`_KEY_PAD`: padding), each input's distinct index by binary search of its key in the
+  sorted keys. Also returns `exact`: no two different ids share a key (else the result is
+  wrong and the caller refines or sorts instead); then the order within a lead is (fp, id),
+  as `_distinct_sorted`'s."""
   M = hi.shape[0]
   valid = lead != _BIG
-  fp = (_fingerprint(hi, lo) >> (32 - bits)).astype(jnp.int32)
-  key = jnp.where(valid, (lead << bits) | fp, _BIG)                        # (M,) padding last
   s = jnp.sort(key)
   new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
   inv = (jnp.cumsum(new) - 1).astype(jnp.int32)[jnp.searchsorted(s, key)]  # (M,) distinct index
@@ -338,23 +340,56 @@ def _distinct_keyed(hi, lo, lead, w, bits: int):
 
 
 def _key_bits(leads: int) -> int:
-  """Fingerprint bits left in an int32 key under `leads` distinct leads (0: too few)."""
-  bits = (_BIG // max(leads, 1)).bit_length() - 1
-  return min(bits, 31) if bits >= _MIN_FP_BITS else 0
+  """Fingerprint bits left in a uint32 key under `leads` distinct leads, the largest key
+  below the padding (0: too few)."""
+  bits = (_KEY_PAD // max(leads, 1)).bit_length() - 1
+  return bits if bits >= _MIN_FP_BITS else 0
+
+
+def _refine_bits(slots: int, bits: int) -> int:
+  """Fingerprint bits of the refining key (`_distinct`): the next ones after the first
+  `bits`, as many as fit beside a run index below `slots` (0: none)."""
+  return max(min((_KEY_PAD // slots).bit_length() - 1, 32 - bits), 0)
 
 
 def _distinct(g, lead, leads: int, w=None):
   """Distinct ids of g (M, 2) grouped by `lead` (M,) in [0, leads) (`_BIG`: padding or not
-  wanted), each lead's in (fp, id) order: single-key (`_distinct_keyed`) when exact, else
-  the 6-operand sort (one lax.cond). Returns (inv, d_lead, d_hi, d_lo, occ)."""
+  wanted), each lead's in (fp, id) order. Returns (inv, d_lead, d_hi, d_lo, occ).
+
+  Single-key sorts (`_distinct_keyed`), at most two, one lax.cond each:
+    1. key = lead 2^bits + the top `bits` bits of fp (bits: what the leads leave of 32).
+       Two distinct ids of a lead share it with probability 2^-bits: d distinct ids in L
+       leads tie with probability ~ d^2 / (2 L 2^bits), between d^2 / 2^33 and d^2 / 2^32
+       (8,300 ids: ~1 %; 55,000: ~50 %), whatever L;
+    2. then, if some did: key = (its run in 1.) 2^r + the next r bits of fp, which splits
+       the runs of 1. in (fp, id) order too (r: what M runs leave of 32, at most the 32 -
+       bits unused): a tie now needs ~bits + r equal bits of fp;
+    3. then, if some still do (or a key has no room: many leads): the 6-operand sort
+       (`_distinct_sorted`), exact always.
+  Example (bits 2, r 2; ids a, b, c with fp 1011.., 1001.., 0111..): keys 1. [2, 2, 1]
+  tie a and b; runs [1, 1, 0] -> keys 2. [1 * 4 + 3, 1 * 4 + 1, 0 * 4 + 3] = [7, 5, 3]:
+  c, b, a, the (fp, id) order."""
   M = g.shape[0]
-  hi, lo = g[:, 0], jnp.where(lead != _BIG, g[:, 1], 0)
+  valid = lead != _BIG
+  hi, lo = g[:, 0], jnp.where(valid, g[:, 1], 0)
   w = jnp.ones((M,), jnp.int32) if w is None else w
   bits = _key_bits(leads)
   if not bits:
     return _distinct_sorted(hi, lo, lead, w)
-  fast, exact = _distinct_keyed(hi, lo, lead, w, bits)
-  return jax.lax.cond(exact, lambda: fast, lambda: _distinct_sorted(hi, lo, lead, w))
+  fp = _fingerprint(hi, lo)                                                # (M,) uint32
+  pad = jnp.uint32(_KEY_PAD)
+  key = jnp.where(valid, (lead.astype(jnp.uint32) << bits) | (fp >> (32 - bits)), pad)
+  fast, exact = _distinct_keyed(hi, lo, lead, w, key)
+  r = _refine_bits(M, bits)
+
+  def refine():   # the runs of the first key split by the next r bits of fp
+    if not r:
+      return _distinct_sorted(hi, lo, lead, w)
+    finer = jnp.where(valid, (fast[0].astype(jnp.uint32) << r) | ((fp << bits) >> (32 - r)),
+                      pad)
+    out, exact = _distinct_keyed(hi, lo, lead, w, finer)
+    return jax.lax.cond(exact, lambda: out, lambda: _distinct_sorted(hi, lo, lead, w))
+  return jax.lax.cond(exact, lambda: fast, refine)
 
 
 def _segments(d_lead):
