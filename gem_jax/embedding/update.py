@@ -65,7 +65,8 @@ def _touched_rows(acc, num_rows: int):
 def _sync(plan: EmbeddingPlan, buf, rows, g, unique: bool, additive: bool):
   """Local (rows, grads) -> (rows, grads) of the whole replica group, duplicates summed.
 
-  unique: the local rows are already distinct (one unit: `gather_rows` deduplicated).
+  unique: the local rows are already distinct (one unit: `gather_rows` deduplicated; a
+    row-wise unit on one shard: the owner's rows are its own distinct requests).
   additive: the optimizer step is a scatter-add of -lr g (SGD on fp32 rows), which
     sums duplicate rows by itself: no deduplication (and no sort) is needed.
   Otherwise duplicates are summed by a sort (`dedup_rows`). (Accumulating into a
@@ -198,10 +199,15 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
         by_owner = ((lambda q, g, rps, c: _rw_ragged(q, g, rps, plan.num_shards, c, native))
                     if ragged_ex else
                     (lambda q, g, rps, c: _rw_a2a(q, g, rps, plan.num_shards, c)))
-        def routed(route, st, lr, enabled, buf=buf, name=name, units=units, pairs=pairs):
+        # One shard: the owner's rows are its own requests, distinct within a unit, so
+        # with one unit (feature) on the buffer there are no duplicates to sum.
+        unique = plan.num_shards == 1 and len(units) == 1
+
+        def routed(route, st, lr, enabled, buf=buf, name=name, units=units, pairs=pairs,
+                   unique=unique):
           rows, g = zip(*(route(q, gq, buf.local_rows, c) for q, gq, c in pairs))
           return update(name, buf, units, st, jnp.concatenate(rows), jnp.concatenate(g),
-                        False, lr, enabled)
+                        unique, lr, enabled)
         by_broadcast = lambda q, g, rps, c: _rw_broadcast(q, g, rps)  # noqa: E731
         if plan.rw_exchange == "broadcast":
           new[name] = routed(by_broadcast, state[name], lr, enabled)
