@@ -172,7 +172,7 @@ def test_every_dedup_path_matches_reference(force, monkeypatch):
   sort (after ties in the first) and the single-key path give the reference's rows and maps:
   all order a window's misses by (fingerprint, id)."""
   if force == "sort":
-    monkeypatch.setattr(managed, "_key_bits", lambda leads: 0)
+    monkeypatch.setattr(managed, "_key_bits", lambda leads: None)
   else:                               # 2-bit fingerprints: ties in most steps
     monkeypatch.setattr(managed, "_key_bits", lambda leads: 2)
   if force == "refined_ties":         # and 1 more bit: ties left for the exact sort
@@ -218,6 +218,25 @@ def test_dedup_paths_equal_the_exact_sort(bits, refine, taken, monkeypatch):
   assert taken == ("first" if exact1 else "refined" if exact2 else "sort")
   got = managed._distinct(g, lead, 50, w)
   want = managed._distinct_sorted(hi, lo, lead, w)
+  for a, e in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+@pytest.mark.parametrize("leads", [1 << 25, 1 << 30])
+def test_dedup_with_few_key_bits_equals_the_exact_sort(leads):
+  """A shard with millions of windows leaves the key 6 fingerprint bits (2^25 leads) or
+  one (2^30): the single-key sorts still give the exact sort's result (before, fewer than
+  8 bits always took the exact sort)."""
+  assert managed._key_bits(leads) == (6 if leads == 1 << 25 else 1)
+  rng = np.random.default_rng(2)
+  raw = hash_ids(rng.zipf(1.1, 20_000).astype(np.int64), 1 << 62)
+  raw[rng.random(raw.shape) < 0.05] = -1
+  g = jnp.asarray(managed.split_ids(raw, "f", "t"))
+  valid = g[:, 0] >= 0
+  hi, lo = g[:, 0], jnp.where(valid, g[:, 1], 0)
+  lead = jnp.where(valid, managed.window_of(hi, lo, leads), managed._BIG)
+  got = managed._distinct(g, lead, leads)
+  want = managed._distinct_sorted(hi, lo, lead, jnp.ones(g.shape[:1], jnp.int32))
   for a, e in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 

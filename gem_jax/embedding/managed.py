@@ -70,13 +70,14 @@ its distinct rows as from the routes.
 
 Deduplication (`_distinct`, requester grouped by owner, owner by its local window). One
 sort of a single uint32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
-lead count leaves of 32: 28 for 8 owners, 17 for 19,532 windows per owner), then each id's
-distinct index by binary search of its key (XLA:CPU sorts one operand without calling a
-comparator: 2,600 ids in 0.13 ms with the search, 0.9 ms by the 6-operand (lead, fp, hi,
-lo) sort). Exact: when two different ids share a key (checked on every id; likely once a
-device's batch holds tens of thousands of distinct ids), one more single-key sort splits
-the tied runs by the next bits of fp, and only if ids still tie does that device sort by
-(lead, fp, hi, lo) (a lax.cond each, no collective inside).
+lead count leaves of 32: 28 for 8 owners, 17 for 19,532 windows per owner, 6 for the 2^25
+windows of a 2^28-row shard at probe 8), then each id's distinct index by binary search of
+its key (XLA:CPU sorts one operand without calling a comparator: 2,600 ids in 0.13 ms with
+the search, 0.9 ms by the 6-operand (lead, fp, hi, lo) sort). Exact: when two different
+ids share a key (checked on every id; d distinct ids do with probability ~ d^2 / 2^33
+whatever the leads: likely once a device's batch holds tens of thousands), one more
+single-key sort splits the tied runs by the next bits of fp, and only if ids still tie
+does that device sort by (lead, fp, hi, lo) (a lax.cond each, no collective inside).
 Either way each window's distinct ids come out in the policy's (fp(x), x) order, so a
 miss's rank (step 2) is a running count of the misses before it. Per device and step: two
 single-key sorts of about b x bag ids, K map entries read per id, and writes by the count
@@ -116,7 +117,6 @@ _BIG = NO_ROW   # padding of keys, leads and distinct rows (`gather_rows` takes 
 _SIGN = np.int64(1 << 31)
 _GOLD = 0x9E3779B9
 _MAP_ROWS = tuple(k for k in MAP_LEAVES if k != "map_used")   # the per-row map leaves
-_MIN_FP_BITS = 8     # fewer fingerprint bits in a key: always the exact sort
 _KEY_PAD = (1 << 32) - 1   # uint32 dedup key of padding (`_distinct_keyed`)
 
 
@@ -339,11 +339,12 @@ def _distinct_keyed(hi, lo, lead, w, key):
   return (inv, d_lead, d_hi, d_lo, occ), exact
 
 
-def _key_bits(leads: int) -> int:
+def _key_bits(leads: int) -> int | None:
   """Fingerprint bits left in a uint32 key under `leads` distinct leads, the largest key
-  below the padding (0: too few)."""
-  bits = (_KEY_PAD // max(leads, 1)).bit_length() - 1
-  return bits if bits >= _MIN_FP_BITS else 0
+  below the padding (0 to 31; None: the leads alone do not fit)."""
+  if leads > _KEY_PAD:
+    return None
+  return (_KEY_PAD // max(leads, 1)).bit_length() - 1
 
 
 def _refine_bits(slots: int, bits: int) -> int:
@@ -357,15 +358,15 @@ def _distinct(g, lead, leads: int, w=None):
   wanted), each lead's in (fp, id) order. Returns (inv, d_lead, d_hi, d_lo, occ).
 
   Single-key sorts (`_distinct_keyed`), at most two, one lax.cond each:
-    1. key = lead 2^bits + the top `bits` bits of fp (bits: what the leads leave of 32).
-       Two distinct ids of a lead share it with probability 2^-bits: d distinct ids in L
-       leads tie with probability ~ d^2 / (2 L 2^bits), between d^2 / 2^33 and d^2 / 2^32
-       (the benchmark's Zipf ids: 8,300 distinct 0-3 % of steps, 55,000 63 %), whatever L;
+    1. key = lead 2^bits + the top `bits` bits of fp (bits: what the leads leave of 32,
+       1 for 2^30 leads). Two distinct ids of a lead share it with probability
+       2^-bits: d distinct ids in L leads tie with probability ~ d^2 / (2 L 2^bits),
+       between d^2 / 2^33 and d^2 / 2^32 (the benchmark's Zipf ids: 8,300 distinct 0-3 %
+       of steps, 55,000 63 %), whatever L;
     2. then, if some did: key = (its run in 1.) 2^r + the next r bits of fp, which splits
        the runs of 1. in (fp, id) order too (r: what M runs leave of 32, at most the 32 -
        bits unused): a tie now needs ~bits + r equal bits of fp;
-    3. then, if some still do (or a key has no room: many leads): the 6-operand sort
-       (`_distinct_sorted`), exact always.
+    3. then, if some still do: the 6-operand sort (`_distinct_sorted`), exact always.
   Example (bits 2, r 2; ids a, b, c with fp 1011.., 1001.., 0111..): keys 1. [2, 2, 1]
   tie a and b; runs [1, 1, 0] -> keys 2. [1 * 4 + 3, 1 * 4 + 1, 0 * 4 + 3] = [7, 5, 3]:
   c, b, a, the (fp, id) order."""
@@ -374,11 +375,12 @@ def _distinct(g, lead, leads: int, w=None):
   hi, lo = g[:, 0], jnp.where(valid, g[:, 1], 0)
   w = jnp.ones((M,), jnp.int32) if w is None else w
   bits = _key_bits(leads)
-  if not bits:
+  if bits is None:
     return _distinct_sorted(hi, lo, lead, w)
   fp = _fingerprint(hi, lo)                                                # (M,) uint32
   pad = jnp.uint32(_KEY_PAD)
-  key = jnp.where(valid, (lead.astype(jnp.uint32) << bits) | (fp >> (32 - bits)), pad)
+  top = fp >> (32 - bits) if bits else jnp.zeros_like(fp)                  # (M,) its top bits
+  key = jnp.where(valid, (lead.astype(jnp.uint32) << bits) | top, pad)
   fast, exact = _distinct_keyed(hi, lo, lead, w, key)
   r = _refine_bits(M, bits)
 
