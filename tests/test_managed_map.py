@@ -11,9 +11,8 @@ import pytest
 
 from conftest import make_mesh
 from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig, export_state,
-                               hash_ids,
-                               gather_rows, id_stats, import_state, init_embedding_state, managed,
-                               normal_init, plan_embeddings, pool_rows, prepare_ids,
+                               gather_rows, hash_ids, id_stats, import_state, init_embedding_state,
+                               managed, normal_init, plan_embeddings, pool_rows, prepare_ids,
                                apply_sparse_updates)
 from managed_reference import RefMap
 
@@ -195,31 +194,20 @@ def test_dedup_paths_equal_the_exact_sort(bits, refine, taken, monkeypatch):
   distinct ids, ~190 a lead, tie in most leads), and ties left after both (1 refining
   bit)."""
   rng = np.random.default_rng(1)
-  raw = hash_ids(rng.zipf(1.1, 20_000).astype(np.int64), 1 << 62)
-  raw[rng.random(raw.shape) < 0.05] = -1
-  g = jnp.asarray(managed.split_ids(raw, "f", "t"))
-  valid = g[:, 0] >= 0
-  hi, lo = g[:, 0], jnp.where(valid, g[:, 1], 0)
-  lead = jnp.where(valid, managed.window_of(hi, lo, 50), managed._BIG)
-  w = jnp.asarray(rng.integers(1, 4, raw.shape[0]).astype(np.int32))
+  g, hi, lo, valid, lead = _zipf_ids(rng, 50)
+  w = jnp.asarray(rng.integers(1, 4, g.shape[0]).astype(np.int32))
   if bits:
     monkeypatch.setattr(managed, "_key_bits", lambda leads: bits)
   if refine:
     monkeypatch.setattr(managed, "_refine_bits", lambda slots, bits: refine)
   b = managed._key_bits(50)
   fp = managed._fingerprint(hi, lo)
-  key = jnp.where(valid, (lead.astype(jnp.uint32) << b) | (fp >> (32 - b)),
-                  jnp.uint32(managed._KEY_PAD))
-  first, exact1 = managed._distinct_keyed(hi, lo, lead, w, key)
+  first, exact1 = managed._distinct_keyed(hi, lo, lead, w, managed._first_key(fp, lead, valid, b))
   r = managed._refine_bits(g.shape[0], b)
-  finer = jnp.where(valid, (first[0].astype(jnp.uint32) << r) | ((fp << b) >> (32 - r)),
-                    jnp.uint32(managed._KEY_PAD))
-  exact2 = managed._distinct_keyed(hi, lo, lead, w, finer)[1]
+  exact2 = managed._distinct_keyed(hi, lo, lead, w,
+                                   managed._refined_key(fp, first[0], valid, b, r))[1]
   assert taken == ("first" if exact1 else "refined" if exact2 else "sort")
-  got = managed._distinct(g, lead, 50, w)
-  want = managed._distinct_sorted(hi, lo, lead, w)
-  for a, e in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  _assert_equal(managed._distinct(g, lead, 50, w), managed._distinct_sorted(hi, lo, lead, w))
 
 
 @pytest.mark.parametrize("leads", [1 << 25, 1 << 30])
@@ -228,15 +216,23 @@ def test_dedup_with_few_key_bits_equals_the_exact_sort(leads):
   one (2^30): the single-key sorts still give the exact sort's result (before, fewer than
   8 bits always took the exact sort)."""
   assert managed._key_bits(leads) == (6 if leads == 1 << 25 else 1)
-  rng = np.random.default_rng(2)
+  g, hi, lo, _, lead = _zipf_ids(np.random.default_rng(2), leads)
+  _assert_equal(managed._distinct(g, lead, leads),
+                managed._distinct_sorted(hi, lo, lead, jnp.ones(g.shape[:1], jnp.int32)))
+
+
+def _zipf_ids(rng, leads: int):
+  """20,000 Zipf raw ids (5 % padding) as (g (M, 2), hi, lo, valid, lead = window_of over
+  `leads`, `_BIG` at padding), for `_distinct`."""
   raw = hash_ids(rng.zipf(1.1, 20_000).astype(np.int64), 1 << 62)
   raw[rng.random(raw.shape) < 0.05] = -1
   g = jnp.asarray(managed.split_ids(raw, "f", "t"))
   valid = g[:, 0] >= 0
   hi, lo = g[:, 0], jnp.where(valid, g[:, 1], 0)
-  lead = jnp.where(valid, managed.window_of(hi, lo, leads), managed._BIG)
-  got = managed._distinct(g, lead, leads)
-  want = managed._distinct_sorted(hi, lo, lead, jnp.ones(g.shape[:1], jnp.int32))
+  return g, hi, lo, valid, jnp.where(valid, managed.window_of(hi, lo, leads), managed._BIG)
+
+
+def _assert_equal(got, want):
   for a, e in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 

@@ -353,6 +353,19 @@ def _refine_bits(slots: int, bits: int) -> int:
   return max(min((_KEY_PAD // slots).bit_length() - 1, 32 - bits), 0)
 
 
+def _first_key(fp, lead, valid, bits: int):
+  """`_distinct`'s first key (M,) uint32: lead 2^bits + the top `bits` bits of fp."""
+  top = fp >> (32 - bits) if bits else jnp.zeros_like(fp)
+  return jnp.where(valid, (lead.astype(jnp.uint32) << bits) | top, jnp.uint32(_KEY_PAD))
+
+
+def _refined_key(fp, runs, valid, bits: int, r: int):
+  """`_distinct`'s refining key (M,) uint32: each id's run of the first key (`runs`, its
+  distinct index there) 2^r + the r bits of fp after the first `bits`."""
+  return jnp.where(valid, (runs.astype(jnp.uint32) << r) | ((fp << bits) >> (32 - r)),
+                   jnp.uint32(_KEY_PAD))
+
+
 def _distinct(g, lead, leads: int, w=None):
   """Distinct ids of g (M, 2) grouped by `lead` (M,) in [0, leads) (`_BIG`: padding or not
   wanted), each lead's in (fp, id) order. Returns (inv, d_lead, d_hi, d_lo, occ).
@@ -378,18 +391,13 @@ def _distinct(g, lead, leads: int, w=None):
   if bits is None:
     return _distinct_sorted(hi, lo, lead, w)
   fp = _fingerprint(hi, lo)                                                # (M,) uint32
-  pad = jnp.uint32(_KEY_PAD)
-  top = fp >> (32 - bits) if bits else jnp.zeros_like(fp)                  # (M,) its top bits
-  key = jnp.where(valid, (lead.astype(jnp.uint32) << bits) | top, pad)
-  fast, exact = _distinct_keyed(hi, lo, lead, w, key)
+  fast, exact = _distinct_keyed(hi, lo, lead, w, _first_key(fp, lead, valid, bits))
   r = _refine_bits(M, bits)
 
   def refine():   # the runs of the first key split by the next r bits of fp
     if not r:
       return _distinct_sorted(hi, lo, lead, w)
-    finer = jnp.where(valid, (fast[0].astype(jnp.uint32) << r) | ((fp << bits) >> (32 - r)),
-                      pad)
-    out, exact = _distinct_keyed(hi, lo, lead, w, finer)
+    out, exact = _distinct_keyed(hi, lo, lead, w, _refined_key(fp, fast[0], valid, bits, r))
     return jax.lax.cond(exact, lambda: out, lambda: _distinct_sorted(hi, lo, lead, w))
   return jax.lax.cond(exact, lambda: fast, refine)
 
