@@ -278,8 +278,9 @@ def test_row_wise_update_dedups_only_what_can_repeat(mesh_shape, kind, monkeypat
   requesters may send one row. Either way the steps match the dense reference."""
   seen = []
   sync = update_lib._sync
-  monkeypatch.setattr(update_lib, "_sync", lambda plan, buf, rows, g, unique, additive: (
-      seen.append((buf.kind, unique)), sync(plan, buf, rows, g, unique, additive))[1])
+  monkeypatch.setattr(update_lib, "_sync", lambda plan, buf, rows, g, unique, additive,
+                      index=None: (seen.append((buf.kind, unique)),
+                                   sync(plan, buf, rows, g, unique, additive, index))[1])
   feats = [f for f in TRAIN_FEATS if f.name != "rw.seq"]
   _five_steps_match_dense_optimizer(mesh_shape, kind, "rows", False, "a2a", feats)
   assert {u for k, u in seen if k == "row_wise"} == {mesh_shape == (1, 1)}

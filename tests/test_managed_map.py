@@ -14,6 +14,7 @@ from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig
                                gather_rows, hash_ids, id_stats, import_state, init_embedding_state,
                                managed, normal_init, plan_embeddings, pool_rows, prepare_ids,
                                apply_sparse_updates)
+from gem_jax.embedding import update as update_lib
 from managed_reference import RefMap
 
 ROWS, K, B = 64, 4, 16
@@ -314,15 +315,18 @@ def _one_feature_each_plan(mesh, exchange):
 
 
 @pytest.mark.parametrize("tables", ["shared", "one_feature_each"])
-@pytest.mark.parametrize("exchange,mesh", [("a2a", (2, 4)), ("ragged", (2, 4)), ("a2a", (1, 1))],
-                         ids=["a2a-2x4", "ragged-2x4", "one_device"])
+@pytest.mark.parametrize("exchange,mesh", [("a2a", (2, 4)), ("ragged", (2, 4)), ("a2a", (1, 8)),
+                                           ("a2a", (1, 1))],
+                         ids=["a2a-2x4", "ragged-2x4", "a2a-1x8", "one_device"])
 def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, mesh, tables,
                                                                       monkeypatch):
   """`gather_rows` with the resolve's distinct rows (no sort, owner order) gives the same
   embeddings, gradients and updated tables, bit for bit, as with its own deduplication
   (`rw_distinct`), over a stream with inserts, evictions and ids left without a row: two
   features of one table, or one feature per table with steps redone by broadcast (on one
-  device: the one resolve's distinct rows)."""
+  device: the one resolve's distinct rows). By owner, the update sums the rows' gradients
+  by the resolve's owner index (replicas gathering it, 2 x 4; two features of one table,
+  1 x 8; steps redone by broadcast fall back to the sort)."""
   if mesh == (1, 1) and tables != "shared":   # one device: "v" resolves at most 27 distinct
     cap = managed._distinct_cap    # ids; it gets 30, 26, 25, 27, 23, 28: steps 0, 5 are redone
     monkeypatch.setattr(managed, "_distinct_cap",
@@ -333,13 +337,23 @@ def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, m
   f = lambda e: e * jnp.cos(e)  # noqa: E731  (a gradient that differs per row)
   fast, slow = _step_fn(plan, f=f), _step_fn(plan, distinct=False, f=f)
   a, b = (init_embedding_state(plan, jax.random.key(0)) for _ in range(2))
+  by_index = []   # the owners sum by the resolve's index (by owner) instead of sorting
+  sum_by_index = update_lib._sum_by_index
+  monkeypatch.setattr(update_lib, "_sum_by_index",
+                      lambda *a: (by_index.append(1), sum_by_index(*a))[1])
   collisions, broadcast = 0, 0
   for step, host in enumerate(_stream(19, 6)):
     if tables != "shared":
       host = {"u": host["u"], "v": host["u_hist"]}
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     a, rows_a, counters = fast(a, ids, step)
+    if step == 0:
+      summed_by_owner = plan.num_shards > 1 and any(   # (a 'dense' replica sync sums anyway)
+          plan.buffers[t].sync != "dense" for t in plan.managed_tables())
+      assert bool(by_index) == summed_by_owner
+      traced = len(by_index)
     b, rows_b, _ = slow(b, ids, step)
+    assert len(by_index) == traced            # the lookup's own dedup: no owner index
     collisions += sum(int(c["collisions"]) for c in counters.values())
     broadcast += int(counters["u"]["broadcast"])
     assert all(np.array_equal(rows_a[f], rows_b[f]) for f in rows_a)
@@ -348,6 +362,24 @@ def test_lookup_with_the_resolves_distinct_rows_equals_its_own_dedup(exchange, m
         np.testing.assert_array_equal(np.asarray(a[buf][k]), np.asarray(b[buf][k]), err_msg=k)
   assert collisions > 0
   assert (broadcast > 0) == (tables != "shared")
+
+
+def test_sum_by_owner_index_equals_the_sorted_dedup():
+  """`update._sum_by_index` sums duplicate rows by their owner index, in index order, as
+  `dedup_rows` sums them (the same order of additions: bit-identical sums); a row without
+  an index in range (a step redone by broadcast) sends the owner to `dedup_rows`."""
+  g = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+  rows = jnp.asarray([3, 7, 3, -1, 9], jnp.int32)
+  uniq, summed = update_lib._sum_by_index(rows, g, jnp.asarray([1, 0, 1, -1, 2], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(uniq), [7, 3, 9, -1, -1])
+  want = np.stack([g[1], g[0] + g[2], g[4], 0 * g[0], 0 * g[0]])
+  np.testing.assert_array_equal(np.asarray(summed), want)
+  sorted_rows, sorted_sums = update_lib.dedup_rows(rows, g)
+  np.testing.assert_array_equal(np.asarray(sorted_rows), [3, 7, 9, -1, -1])
+  for bad in ([1, -1, 1, -1, 2], [1, 0, 1, -1, 5]):   # no index; an index past the slots
+    got = update_lib._sum_by_index(rows, g, jnp.asarray(bad, jnp.int32))
+    for x, y in zip(got, (sorted_rows, sorted_sums)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_fresh_rows_follow_the_initializer_per_row():

@@ -296,16 +296,18 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
     state: the embedding state (only the 'weight' leaves are read).
     ids: {feature: int32 (B, bag)} from `prepare_ids`, -1 = padding, sharded
       like `plan.ids_shardings()`.
-    distinct: optional {feature: (uniq, inverse)} of row-wise features whose distinct
-      rows are known already (`managed.resolve(..., distinct=True)`): used instead of
-      `rw_distinct` (uniq need not be ascending, only grouped by owner, NO_ROW last).
+    distinct: optional {feature: (uniq, inverse[, owner index])} of row-wise features whose
+      distinct rows are known already (`managed.resolve(..., distinct=True)`): used instead
+      of `rw_distinct` (uniq need not be ascending, only grouped by owner, NO_ROW last); the
+      owner index, where given, goes to `ctx['owner_index']` for the update.
   Returns:
     rows: {unit: (R, S, n, D_local)}, the rows each device gathered (n = the
       unit's id slots per device, zero rows at padding): the differentiable leaf;
     ctx: {'row': {unit: int32 (R, S, n)} those rows' indices in the owner's local
       buffer (-1: none; distinct and ascending with dedup), 'inv': {unit: int32 (R, S, ...slots)} the
       position in `row` of every id slot, 'count': {feature: float32 (B,)}
-      valid ids of 'mean' features}.
+      valid ids of 'mean' features, 'owner_index': {unit: int32 (R, S, n)} each row's
+      distinct index at its owner, for units whose `distinct` gave one}.
   """
   weights_in = {name: state[name]["weight"] for name in plan.buffers}
   w_specs = {name: buf.weight_spec() for name, buf in plan.buffers.items()}
@@ -318,7 +320,7 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
 
   def body(weights, ids, known):
     rows, uniq_rows, inverse = {}, {}, {}
-    rw = {name: known[f] if f in known else rw_distinct(ids[f])
+    rw = {name: known[f][:2] if f in known else rw_distinct(ids[f])
           for name, f in rw_feature.items()}
     over = rw_overflow(plan, {name: uniq for name, (uniq, _) in rw.items()})
     for name, u in plan.units.items():
@@ -341,13 +343,17 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
       uniq_rows[name], inverse[name] = _dev(uniq), _dev(inv)
     count = {f: jnp.sum(ids[f] >= 0, axis=1).astype(jnp.float32) for f in mean_feats}
     return rows, {"row": uniq_rows, "inv": inverse, "count": count,
-                  "overflow": {name: _dev(over[name]) for name in rw_units}}
+                  "overflow": {name: _dev(over[name]) for name in rw_units},
+                  "owner_index": {name: _dev(known[rw_feature[name]][2]) for name in indexed}}
 
   per_unit = {n: DEV for n in plan.units}
+  indexed = [n for n in rw_units if len(distinct.get(rw_feature[n], ())) == 3]
   out_specs = (per_unit, {"row": per_unit, "inv": per_unit,
                           "count": {f: P(BATCH) for f in mean_feats},
-                          "overflow": {n: DEV for n in rw_units}})
-  known_specs = {f: (P(BATCH), P(BATCH, None)) for f in distinct}
+                          "overflow": {n: DEV for n in rw_units},
+                          "owner_index": {n: DEV for n in indexed}})
+  known_specs = {f: (P(BATCH), P(BATCH, None), *(P(BATCH),) * (len(d) - 2))
+                 for f, d in distinct.items()}
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(w_specs, id_specs, known_specs),
                      out_specs=out_specs)
   return fn(weights_in, {f: ids[f] for f in plan.features}, distinct)

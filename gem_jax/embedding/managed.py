@@ -587,17 +587,27 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   for i, t in enumerate(ts):
     flat = every[:, :, offs[i]:offs[i + 1]].reshape(-1, 3)                 # (R S C, 3)
     row, counts, dec, fits = _owner_resolve(plan, t, maps[i], flat[:, :2], step, update,
-                                            flat[:, 2], _distinct_cap(plan, t, xs[i]))
+                                            flat[:, 2], _distinct_cap(plan, t, xs[i]),
+                                            distinct=True)
     got.append((counts, dec, fits))
-    mine.append(row.reshape(-1, S, Cs[i])[jax.lax.axis_index("replica")])  # (S, C) my group's
-  back = jax.lax.all_to_all(jnp.concatenate(mine, 1), "shard", 0, 0, tiled=True)  # my requests
+    mine.append(_with_owner_index(*row).reshape(-1, S, Cs[i], 2)[jax.lax.axis_index("replica")])
+  back = jax.lax.all_to_all(jnp.concatenate(mine, 1), "shard", 0, 0, tiled=True)  # (S, sum C, 2)
   out = []
   for i, (x, ((inv, _, _, _, owner), edges)) in enumerate(zip(xs, owned)):
     o = jnp.minimum(owner, S - 1)
     pos = jnp.arange(x.shape[0], dtype=jnp.int32) - edges[o]               # (n,) place in run
-    d_row = jnp.where(owner < S, back[o, offs[i] + jnp.clip(pos, 0, Cs[i] - 1)], -1)
-    out.append((d_row, *got[i]))
+    d = jnp.where((owner < S)[:, None], back[o, offs[i] + jnp.clip(pos, 0, Cs[i] - 1)], -1)
+    out.append((d[:, 0], *got[i], d[:, 1]))
   return out
+
+
+def _with_owner_index(rows, inv):
+  """The owner's (rows per distinct id (M,), distinct index per position (M,)) -> (M, 2):
+  each position's row and, where it has one, its distinct index at this owner (-1: none),
+  which every requester of that id gets back: the update sums the id's gradients by it
+  (`resolve(..., distinct=True)`, `update.apply_sparse_updates`) without sorting them."""
+  row = rows[inv]
+  return jnp.stack([row, jnp.where(row >= 0, inv, -1)], -1)
 
 
 def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bool):
@@ -613,11 +623,11 @@ def _route_ragged(plan, t, st, x, step, update, M: int, local, edges, native: bo
   recv = ragged.to_owners(r, sent, -1, M, native)                          # (M, 3) hi -1: none
   every = jax.lax.all_gather(recv, "replica", axis=0, tiled=True)          # (R M, 3)
   row, counts, dec, fits = _owner_resolve(plan, t, st, every[:, :2], step, update, every[:, 2],
-                                          _distinct_cap(plan, t, x))
-  mine = row.reshape(R, M)[jax.lax.axis_index("replica")]                  # (M,) my group's
-  back = ragged.to_requesters(r, mine, n, native)                          # (n,) per distinct id
-  d_row = jnp.where(owner < plan.num_shards, back, -1)
-  return d_row, counts, dec, fits
+                                          _distinct_cap(plan, t, x), distinct=True)
+  mine = _with_owner_index(*row).reshape(R, M, 2)[jax.lax.axis_index("replica")]  # my group's
+  back = ragged.to_requesters(r, mine, n, native)                          # (n, 2) per distinct id
+  d = jnp.where((owner < plan.num_shards)[:, None], back, -1)
+  return d[:, 0], counts, dec, fits, d[:, 1]
 
 
 def _distinct_cap(plan: EmbeddingPlan, t: TableConfig, x) -> int:
@@ -660,10 +670,12 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   """One device: the buffers `subs` and ids (n, 2) of managed tables `ts` -> (the buffers
   with the writes applied (unchanged unless `update`), [(rows (n,), counts (7,) summed over
   the owners)] per table, [the device's distinct index of each id (n,)] per table or None
-  when the resolve does not deduplicate the device's own ids (`_device_distinct`), whether
-  the step was resolved by broadcast (bool scalar, the same on every device)). The rows are
-  those of the device's distinct ids (`rows[inv]` per id slot) when it does, else of its
-  id slots.
+  when the resolve does not deduplicate the device's own ids (`_device_distinct`), [the
+  owner's distinct index of each of the device's distinct ids (n,), -1: none or a step
+  redone by broadcast (`_with_owner_index`)] per table or None when there is no route,
+  whether the step was resolved by broadcast (bool scalar, the same on every device)). The
+  rows are those of the device's distinct ids (`rows[inv]` per id slot) when it does, else
+  of its id slots.
 
   One shard (`_one_shard`): the device resolves the global batch's ids itself, capped at
   `_distinct_cap` distinct ids; past the cap the step is redone by broadcast, as below.
@@ -703,8 +715,10 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     return [(r, c, (jnp.where(redo, p, upd), hi, lo, cnt, jnp.where(redo, p, reset)), f)
             for (r, c, (upd, hi, lo, cnt, reset), f), p in zip(got, rps)]
 
-  def finish(got, redo, invs, chunk_map):   # the writes, then the redo by broadcast if needed
+  def finish(got, redo, invs, chunk_map, idxs=None):   # the writes, then the redo if needed
     subs_, out = apply(subs, masked(got, redo), chunk_map), [(r, c) for r, c, *_ in got]
+    if idxs is not None:   # a redone step's rows come from the broadcast: no owner index
+      idxs = [jnp.where(redo, -1, i) for i in idxs]
 
     def redo_by_broadcast(c):   # the broadcast's rows per slot -> per distinct id
       subs, out = broadcast(c[1])
@@ -713,7 +727,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
       return False, subs, [(jnp.full(r0.shape, -1, r.dtype).at[inv].set(r), n)
                            for (r, n), inv, (r0, _) in zip(out, invs, c[2])]
     _, subs_, out = jax.lax.while_loop(lambda c: c[0], redo_by_broadcast, (redo, subs_, out))
-    return subs_, out, invs, redo
+    return subs_, out, invs, idxs, redo
 
   if _one_shard(plan):   # whole tables on every device: its resolve on the batch's distinct ids
     R, got = plan.num_replicas, []
@@ -729,7 +743,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     got = [((r[0] if R == 1 else r), c, dec, f) for r, c, dec, f in got]
     return finish(got, redo, invs, False)
   if not _by_owner(plan):
-    return (*broadcast(subs), None, jnp.bool_(True))
+    return (*broadcast(subs), None, None, jnp.bool_(True))
   owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
@@ -746,7 +760,8 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
       out = jax.eval_shape(by_owner, maps)
       return [(jnp.full(r.shape, -1, r.dtype), jnp.zeros(c.shape, c.dtype),
                tuple(jnp.full(d.shape, v, d.dtype) for d, v in zip(dec, (p, 0, 0, 0, p))),
-               jnp.bool_(True)) for (r, c, dec, _), p in zip(out, rps)]
+               jnp.bool_(True), jnp.full(i.shape, -1, i.dtype))
+              for (r, c, dec, _, i), p in zip(out, rps)]
 
     got = jax.lax.cond(over, nothing, by_owner, maps_of(subs))
     flag = jnp.bool_(False)
@@ -756,18 +771,19 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
   slots = [plan.num_replicas * (c if plan.rw_exchange == "ragged" else plan.num_shards * c)
            for c in caps]                                                  # per owner
   if any(_distinct_cap(plan, t, x) < k for t, x, k in zip(ts, xs, slots)):
-    flag = flag | jnp.any(jnp.stack([~f for *_, f in got]))   # an owner past its cap
+    flag = flag | jnp.any(jnp.stack([~f for _, _, _, f, _ in got]))   # an owner past its cap
   # one psum: the counters (the same on every replica: divided by R) and the flags
   both = jnp.concatenate([jnp.stack([c for _, c, *_ in got]).reshape(-1),
                           flag.astype(jnp.int32)[None]])
   both = jax.lax.psum(vma.to_varying(both, BATCH), BATCH)
   counts = both[:-1].reshape(len(ts), -1) // plan.num_replicas             # (T, 7)
   redo = over | (both[-1] > 0)
-  got = [(r, c, dec, f) for (r, _, dec, f), c in zip(got, counts)]
-  return finish(got, redo, [inv for (inv, *_), _ in owned], False)
+  idxs = [i for *_, i in got]
+  got = [(r, c, dec, f) for (r, _, dec, f, _), c in zip(got, counts)]
+  return finish(got, redo, [inv for (inv, *_), _ in owned], False, idxs)
 
 
-def _feature_distinct(d_row, inv, start: int, size: int):
+def _feature_distinct(d_row, inv, start: int, size: int, d_idx=None):
   """One feature's distinct rows from its table's resolved ids, for `gather_rows` (what
   `exchange.rw_distinct` gives, without its sorts). d_row (n,): global row of each of the
   table's distinct ids on this device (-1: none; `d_row[inv]` = the rows of its id slots),
@@ -777,7 +793,9 @@ def _feature_distinct(d_row, inv, start: int, size: int):
   rows; not ascending within an owner, which the row-wise routes do not need), `_BIG`
   (`layout.NO_ROW`) padded; the position in uniq of each of its slots (size,)).
     Example: d_row [9, 2, -1, -1], inv [0, 1, 0, 2], one feature (slot rows [9, 2, 9, -1])
-    -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2]."""
+    -> uniq [9, 2, _BIG, _BIG], positions [0, 1, 0, 2].
+  With `d_idx` (n,) (the owner's distinct index of each distinct id, `_with_owner_index`)
+  also those of uniq (size,), -1 padded, as a third output."""
   n = d_row.shape[0]
   mine = inv[start:start + size]                                           # (size,)
   used = d_row >= 0
@@ -787,7 +805,11 @@ def _feature_distinct(d_row, inv, start: int, size: int):
   uniq = jnp.full((size,), _BIG, jnp.int32).at[jnp.where(used, pos, size)].set(
       d_row, mode="drop")
   none = jnp.minimum(pos[-1] + 1, size - 1)    # the first padding slot (exists if any is used)
-  return uniq, jnp.where(used, pos, none)[mine]
+  out = uniq, jnp.where(used, pos, none)[mine]
+  if d_idx is None:
+    return out
+  return *out, jnp.full((size,), -1, jnp.int32).at[jnp.where(used, pos, size)].set(
+      d_idx, mode="drop")
 
 
 def _write_width(slots: int) -> int:
@@ -874,7 +896,10 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
     and at ids left without a row, {table: {counter: int32 ()}}, see the module doc),
     and with `distinct` a fourth: {feature: (uniq (R S n,), inverse (B, bag))} (n = b x
     bag per device; `_feature_distinct`), {} when the resolve does not deduplicate each
-    device's ids (several replicas of whole tables, or `rw_exchange='broadcast'`).
+    device's ids (several replicas of whole tables, or `rw_exchange='broadcast'`). By
+    owner (S > 1) each also carries a third entry (R S n,): the owner's distinct index of
+    each uniq row, -1 at padding and in a step redone by broadcast, which the update uses
+    to sum the rows' gradients without sorting them (`update.apply_sparse_updates`).
   """
   names = plan.managed_tables()
   if not names:
@@ -885,14 +910,15 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   key = jax.random.fold_in(jax.random.key(0) if key is None else key, step)
 
   with_distinct = distinct and _device_distinct(plan)
+  by_owner = _by_owner(plan)   # the distinct rows come with their owner's index
 
   def body(sub, raw, step, key):
     rows, counters, dist = {}, {}, {}
     xs = [jnp.concatenate([raw[f].reshape(-1, 2) for f in feats[t]]) for t in names]  # (n, 2)
     ts = [plan.tables[t] for t in names]
     keys = [jax.random.fold_in(key, i) for i in range(len(ts))]
-    subs, got, invs, redo = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs, step, keys,
-                                   update)
+    subs, got, invs, idxs, redo = _resolve_all(plan, ts, [dict(sub[b]) for b in bufs], xs,
+                                               step, keys, update)
     new = dict(zip(bufs, subs))
     for i, t in enumerate(names):
       fs, (r, c) = feats[t], got[i]
@@ -906,8 +932,9 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
         b, bag = raw[f].shape[:2]
         rows[f] = r[off:off + b * bag].reshape(b, bag)
         if with_distinct:
-          uniq, inv = _feature_distinct(d_row, invs[i], off, b * bag)
-          dist[f] = (uniq, inv.reshape(b, bag))
+          uniq, inv, *idx = _feature_distinct(d_row, invs[i], off, b * bag,
+                                              idxs[i] if idxs else None)
+          dist[f] = (uniq, inv.reshape(b, bag), *idx)
         off += b * bag
     return new, rows, counters, dist
 
@@ -916,7 +943,8 @@ def resolve(plan: EmbeddingPlan, state: dict, ids: dict, step, key=None, update:
   in_specs = (sub_specs, {f: P(BATCH, None, None) for f in mfeats}, P(), P())
   out_specs = (sub_specs, {f: P(BATCH, None) for f in mfeats},
                {t: {c: P() for c in COUNTERS} for t in names} if update else {},
-               {f: (P(BATCH), P(BATCH, None)) for f in mfeats} if with_distinct else {})
+               {f: (P(BATCH), P(BATCH, None), *(P(BATCH),) * by_owner) for f in mfeats}
+               if with_distinct else {})
   # check_vma=False: the maps and counters are replicated over 'replica' (and the counters
   # over 'shard') by construction: every device resolves the same global ids.
   fn = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
