@@ -44,14 +44,19 @@ there too and follows the batch's real distinct ids.
 Each owner all-gathers what its
 replicas received over 'replica', so every copy of a map sees every id of its windows in
 the global batch, in the same order, and applies the same update without exchanging it.
-It resolves its windows (above) and the rows go back by the reverse exchange.
+It resolves its windows (above) and the rows go back by the reverse exchange, each with
+its id's distinct index at the owner (`_with_owner_index`): the lookup and the update
+carry it with the row, and the owner sums the row's gradients from all its requesters by
+it (`update._sum_by_index`) instead of sorting them again.
   Worked example (R = 1, S = 2 shards, rows 8, K = 2: windows 0-1 on shard 0, 2-3 on
   shard 1; b = 2, bag 1): device 0 holds ids [7, 9], device 1 [9, 4]; say w(7) = 1,
   w(9) = 1, w(4) = 3. Device 0 sends [7, 9] to shard 0 and nothing to shard 1; device 1
   sends [9] to shard 0 and [4] to shard 1. Shard 0 sees 7 (once) and 9 (twice): it
   finds 9 in row 3 (a hit, count += 2) and inserts 7 into the free row 2; shard 1
   inserts 4 into row 6. Back: device 0 gets [2, 3], device 1 [3, 6], and looks them
-  up by the ordinary row-wise exchange.
+  up by the ordinary row-wise exchange. With them come the owners' distinct indices,
+  say 7 -> 0 and 9 -> 1 at shard 0, 4 -> 0 at shard 1: in the update shard 0 receives
+  row 3 from both devices with index 1 and adds their two gradients into slot 1.
 When some pair of some table has more than C distinct ids anywhere (the padded route
 sends its first C and the device flags the step; ragged: some owner more than M, one
 `pmax` before the route), or some owner more distinct ids than it keeps (flagged after
