@@ -441,3 +441,12 @@ def test_native_ragged_route_lowers_with_ragged_all_to_all(monkeypatch):
            if "@ragged_all_to_all(" in line]
   assert len(calls) == 2, calls
   assert any(f"tensor<{M}x3xi32>" in c for c in calls), calls
+  # the whole step: the update's (local row, owner index) pairs travel by it too
+  plan = _one_feature_each_plan(make_mesh(2, 4), "ragged")
+  state = init_embedding_state(plan, jax.random.key(0))
+  ids = jax.device_put(prepare_ids(plan, {"u": _stream(0, 1)[0]["u"], "v": _stream(0, 1)[0][
+      "u_hist"]}), plan.ids_shardings())
+  calls = [line for line in _step_fn(plan).lower(state, ids, 0).as_text().splitlines()
+           if "@ragged_all_to_all(" in line]
+  for u in plan.units.values():
+    assert any(f"-> tensor<{plan.recv_capacity(u)}x2xi32>" in c for c in calls), calls

@@ -226,7 +226,7 @@ def apply_sparse_updates(plan: EmbeddingPlan, state, ctx, row_grads, lr=None, en
         ragged_ex = plan.rw_exchange == "ragged"
         # A managed table's rows come with their owner's distinct index (`ctx`): the
         # owner sums their gradients by it instead of sorting them.
-        indexed = all(u.name in owner_index for u in units)
+        indexed = buf.sync != "dense" and all(u.name in owner_index for u in units)
         pairs = [(row_idx[u.name][0, 0], grads[u.name][0, 0].astype(jnp.float32),
                   plan.recv_capacity(u) if ragged_ex else plan.capacity(u),
                   owner_index[u.name][0, 0] if indexed else None)
