@@ -28,11 +28,25 @@ def doc_blocks(path: str) -> list[tuple[int, str]]:
 BLOCKS = [(doc, line, code) for doc in DOCS for line, code in doc_blocks(doc)]
 
 
+# XLA:CPU's abort when the simulated devices of one program launch do not all reach a
+# collective within its rendezvous timeout (40 s). Seen rarely on a loaded 2-core machine:
+# the other devices wait at their collectives while one device's execution never starts (it
+# waits at no rendezvous), i.e. the runtime's scheduling, not the program's collectives.
+_RENDEZVOUS_ABORT = re.compile(r"Termination timeout for `.*RendezvousKey")
+
+
 def run_python(script: str, cwd, timeout: int = 900) -> subprocess.CompletedProcess:
+  """Runs `script` in a fresh interpreter; once more if XLA:CPU aborted it at a rendezvous
+  timeout (`_RENDEZVOUS_ABORT`), which is then printed to the test's output."""
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  return subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=cwd,
-                        timeout=timeout, env=env, check=False)
+  run = lambda: subprocess.run([sys.executable, script], capture_output=True, text=True,  # noqa: E731
+                               cwd=cwd, timeout=timeout, env=env, check=False)
+  p = run()
+  if p.returncode != 0 and _RENDEZVOUS_ABORT.search(p.stderr):
+    print(f"{script}: XLA:CPU rendezvous timeout, run again:\n{p.stderr[-1500:]}")
+    p = run()
+  return p
 
 
 def _check_embedding_md(out: str) -> None:
@@ -46,6 +60,26 @@ def _check_embedding_md(out: str) -> None:
 
 
 CHECKS = {"docs/embedding.md": _check_embedding_md}
+
+
+def test_run_python_repeats_only_a_rendezvous_abort(tmp_path, monkeypatch):
+  """A script aborted by XLA:CPU's rendezvous timeout runs once more; any other failure is
+  returned as it is, after one run."""
+  script = tmp_path / "flaky.py"
+  script.write_text(
+      "import os, sys\n"
+      "open('runs', 'a').write('x')\n"
+      "if len(open('runs').read()) == 1:\n"
+      "  sys.stderr.write('F rendezvous.cc] Termination timeout for `all gather "
+      "RendezvousKey{run_id=1}` of 40 seconds exceeded.')\n"
+      "  sys.stderr.flush(); os.abort()\n"
+      "sys.exit(int(os.environ.get('FAIL', '0')))\n")
+  assert run_python(str(script), tmp_path).returncode == 0
+  assert (tmp_path / "runs").read_text() == "xx"
+  (tmp_path / "runs").write_text("x")                 # past the first run: an ordinary failure
+  monkeypatch.setenv("FAIL", "3")
+  assert run_python(str(script), tmp_path).returncode == 3
+  assert (tmp_path / "runs").read_text() == "xx"
 
 
 def test_every_doc_has_its_blocks_found():
