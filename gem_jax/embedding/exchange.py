@@ -317,6 +317,7 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
   rw_units = [n for n, u in plan.units.items() if u.kind == "row_wise"]
   rw_feature = {name: plan.units[name].features[0] for name in rw_units}
   distinct = {f: d for f, d in (distinct or {}).items() if f in rw_feature.values()}
+  indexed = [n for n in rw_units if len(distinct.get(rw_feature[n], ())) == 3]  # owner index
 
   def body(weights, ids, known):
     rows, uniq_rows, inverse = {}, {}, {}
@@ -347,7 +348,6 @@ def gather_rows(plan: EmbeddingPlan, state, ids, distinct=None):
                   "owner_index": {name: _dev(known[rw_feature[name]][2]) for name in indexed}}
 
   per_unit = {n: DEV for n in plan.units}
-  indexed = [n for n in rw_units if len(distinct.get(rw_feature[n], ())) == 3]
   out_specs = (per_unit, {"row": per_unit, "inv": per_unit,
                           "count": {f: P(BATCH) for f in mean_feats},
                           "overflow": {n: DEV for n in rw_units},

@@ -807,14 +807,13 @@ def _feature_distinct(d_row, inv, start: int, size: int, d_idx=None):
   if size < n:   # else the table's only feature: every distinct id is one of its
     used = jnp.zeros((n,), bool).at[mine].set(True) & used
   pos = (jnp.cumsum(used) - 1).astype(jnp.int32)                           # place in uniq
-  uniq = jnp.full((size,), _BIG, jnp.int32).at[jnp.where(used, pos, size)].set(
-      d_row, mode="drop")
+  at = jnp.where(used, pos, size)                                          # size: dropped
+  uniq = jnp.full((size,), _BIG, jnp.int32).at[at].set(d_row, mode="drop")
   none = jnp.minimum(pos[-1] + 1, size - 1)    # the first padding slot (exists if any is used)
   out = uniq, jnp.where(used, pos, none)[mine]
   if d_idx is None:
     return out
-  return *out, jnp.full((size,), -1, jnp.int32).at[jnp.where(used, pos, size)].set(
-      d_idx, mode="drop")
+  return *out, jnp.full((size,), -1, jnp.int32).at[at].set(d_idx, mode="drop")
 
 
 def _write_width(slots: int) -> int:
