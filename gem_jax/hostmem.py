@@ -1,25 +1,30 @@
-"""Host memory: setup that must precede `import jax` (glibc malloc tunables, simulated CPU
+"""Host memory: setup that must precede `import jax` (the host malloc, simulated CPU
 devices), and giving freed heap back to the OS.
 
-glibc reads its tunables (GLIBC_TUNABLES) at process start, so `use_malloc_tunables`
-re-executes the script once with them set; a tunable the caller's environment already
-names is left as it is (its value wins: an opt-out or a different choice).
+The loader reads LD_PRELOAD and glibc its tunables (GLIBC_TUNABLES) at process start, so
+`use_host_malloc` re-executes the script once with them set; what the caller's environment
+already names is left as it is (its value wins: an opt-out or a different choice).
 
-Transparent huge pages for host memory.
+jemalloc where the system has it. A long run saves checkpoints from a thread pool and
+evaluates every few minutes; glibc's per-thread arenas keep the freed pages of those bursts
+and its RSS creeps up (soak of docs/RELIABILITY.md: 19.6 MB/h over 130 minutes with the
+heap in use flat), where jemalloc stays flat (-0.8 MB/h over 120 minutes). So the scripts
+preload libjemalloc.so.2 when the dynamic loader finds it (Debian/Ubuntu: libjemalloc2),
+and run on glibc's malloc otherwise. GEM_JAX_MALLOC=glibc opts out, =jemalloc makes a
+missing library an error; a LD_PRELOAD already set is kept as it is.
 
-Random row reads into a table of hundreds of MB miss the TLB on nearly every access
-with 4 KiB pages. glibc >= 2.35 advises huge pages for its large allocations when
-started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (machines whose THP mode is
-'madvise' need that advice; with 'always' it changes nothing). Tunables are read at
-process start, so `use_huge_pages` re-executes the script once with the variable set.
-Measured (docs/PERFORMANCE.md): dlrm_peer step 50 -> 41 ms; the embedding benchmark's
-10^7 / 10^5 row step ratio 1.40 -> 1.23. No effect on GPU/TPU tables, which live in HBM.
+Transparent huge pages for host memory. Random row reads into a table of hundreds of MB
+miss the TLB on nearly every access with 4 KiB pages. On machines whose THP mode is
+'madvise' a malloc must ask for them: glibc >= 2.35 does for its large blocks with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1, jemalloc with MALLOC_CONF=thp:always. Measured
+(docs/PERFORMANCE.md): dlrm_peer step 50 -> 41 ms; the embedding benchmark's hashed 10^7-row
+step (one device) 36-38 ms under glibc with huge pages, 54 ms under jemalloc without them,
+34 ms with them. GLIBC_TUNABLES=glibc.malloc.hugetlb=0 turns them off under either. No
+effect on GPU/TPU tables, which live in HBM.
 
-Call it first thing in a script's `__main__`, before importing jax. It does nothing
-when GLIBC_TUNABLES already names the tunable (any value: `...hugetlb=0` opts out).
-
-Other tunables (e.g. `glibc.malloc.arena_max=2`, tried in the soak runs of
-docs/RELIABILITY.md) are set the same way, or from the environment.
+Call `use_host_malloc` first thing in a script's `__main__`, before importing jax.
+Other glibc tunables (e.g. `glibc.malloc.arena_max=2`, tried in the soak runs of
+docs/RELIABILITY.md) are set with `use_malloc_tunables`, or from the environment.
 """
 from __future__ import annotations
 
@@ -47,13 +52,66 @@ def use_malloc_tunables(tunables: dict[str, int]) -> None:
   os.execv(sys.executable, [sys.executable] + sys.argv)
 
 
-def use_huge_pages(enabled: bool = True) -> None:
-  """Re-executes the running script with GLIBC_TUNABLES += glibc.malloc.hugetlb=1."""
-  if enabled:
-    use_malloc_tunables({TUNABLE: 1})
+MALLOC = "GEM_JAX_MALLOC"     # auto (default): jemalloc where found | jemalloc | glibc
+JEMALLOC_THP = "thp:always"
+
+
+def jemalloc_library() -> str | None:
+  """jemalloc's soname where the dynamic loader finds it (e.g. 'libjemalloc.so.2'), else None."""
+  if not sys.platform.startswith("linux"):
+    return None
+  return ctypes.util.find_library("jemalloc")
+
+
+def _tunables(environ) -> dict[str, str]:
+  return dict(t.split("=", 1) if "=" in t else (t, "")
+              for t in environ.get("GLIBC_TUNABLES", "").split(":") if t)
+
+
+def host_malloc_env(environ, huge_pages: bool, jemalloc: str | None) -> dict[str, str]:
+  """The variables `use_host_malloc` sets (those that change), given the environment and
+  jemalloc's soname (None: not installed). Raises SystemExit on a bad GEM_JAX_MALLOC.
+    Example: {} , huge pages, 'libjemalloc.so.2' -> {GLIBC_TUNABLES: 'glibc.malloc.hugetlb=1',
+    LD_PRELOAD: 'libjemalloc.so.2', MALLOC_CONF: 'thp:always'}; run again with those set: {}."""
+  choice = environ.get(MALLOC, "auto")
+  if choice not in ("auto", "jemalloc", "glibc"):
+    raise SystemExit(f"{MALLOC}={choice!r}: expected auto, jemalloc or glibc")
+  out, tunables = {}, _tunables(environ)
+  if huge_pages and TUNABLE not in tunables:
+    current = environ.get("GLIBC_TUNABLES", "")
+    out["GLIBC_TUNABLES"] = ":".join([current] * bool(current) + [f"{TUNABLE}=1"])
+  huge = huge_pages and tunables.get(TUNABLE, "1") != "0"
+  preload = environ.get("LD_PRELOAD", "")
+  if choice == "jemalloc" and jemalloc is None:
+    raise SystemExit(f"{MALLOC}=jemalloc: the dynamic loader finds no libjemalloc.so.2 "
+                     "(Debian/Ubuntu: apt install libjemalloc2)")
+  if choice != "glibc" and jemalloc and "jemalloc" not in preload and (
+      choice == "jemalloc" or not preload):
+    out["LD_PRELOAD"] = " ".join([jemalloc] + [preload] * bool(preload))
+  conf = environ.get("MALLOC_CONF", "")
+  if huge and (out.get("LD_PRELOAD") or "jemalloc" in preload) and "thp:" not in conf:
+    out["MALLOC_CONF"] = ",".join([conf] * bool(conf) + [JEMALLOC_THP])
+  return out
+
+
+def use_host_malloc(huge_pages: bool = True) -> None:
+  """Re-executes the running script once with its host malloc set up (module doc): jemalloc
+  where found, huge pages for large blocks unless `huge_pages` is False. Nothing to change:
+  no re-exec; not Linux: nothing."""
+  if not sys.platform.startswith("linux"):
+    return
+  changes = host_malloc_env(os.environ, huge_pages, jemalloc_library())
+  if changes:
+    os.environ.update(changes)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable] + sys.argv)
 
 
 def huge_pages_requested() -> bool:
+  """Were huge pages asked of the malloc serving this process (`use_host_malloc`)?"""
+  if allocator() == "jemalloc":
+    return JEMALLOC_THP in os.environ.get("MALLOC_CONF", "")
   return TUNABLE + "=1" in os.environ.get("GLIBC_TUNABLES", "")
 
 
@@ -143,10 +201,10 @@ def release_free_heap() -> bool:
   growth to ~0 (what glibc still retains in its arenas after that, ~20 MB/h, goes away
   under jemalloc: docs/RELIABILITY.md). Cost (measured on a 1 GB heap of 100 KB blocks):
   6 ms with nothing to give back, 80 ms giving back 460 MB. False (nothing done) where
-  glibc is absent.
+  glibc's malloc does not serve the process (another libc, jemalloc preloaded).
   """
   trim = _libc_malloc_trim()
-  if trim is None:
+  if trim is None or _own_allocator() != "glibc":   # another malloc returns its own pages
     return False
   trim(0)
   return True

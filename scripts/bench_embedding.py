@@ -45,10 +45,10 @@ fits the table: hits). Each run prints the managed counters of its last step (sh
 the batch's distinct ids that were hits, inserts, evictions), so sizes are compared in
 the same regime.
 
-Host memory: the script re-executes itself with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
-(glibc >= 2.35) so that large buffers get transparent huge pages (on machines whose
-THP mode is 'madvise'); random row accesses into a multi-GB table then miss the
-TLB far less often. `--no-hugepages` keeps 4 KiB pages (to compare).
+Host memory: the script re-executes itself under the trainer's host malloc (jemalloc where
+the system has it, `hostmem.use_host_malloc`) asking for transparent huge pages for large
+buffers (on machines whose THP mode is 'madvise'); random row accesses into a multi-GB
+table then miss the TLB far less often. `--no-hugepages` keeps 4 KiB pages (to compare).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gem_jax import hostmem  # noqa: E402  (no jax import: before the re-exec)
 
 if __name__ == "__main__":
-  hostmem.use_huge_pages("--no-hugepages" not in sys.argv)
+  hostmem.use_host_malloc("--no-hugepages" not in sys.argv)
 
 def _devices_needed(argv) -> int:
   """8, or the largest --project-group size (planning a group needs its devices)."""

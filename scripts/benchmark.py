@@ -76,9 +76,9 @@ def parse_args(argv=None):
   p.add_argument("--peer-autocast", choices=["auto", "bf16", "off"], default="auto",
                  help="peer precision; auto: gem_jax's (bf16/fp8 compute -> bf16, fp32 -> off)")
   p.add_argument("--no-hugepages", action="store_true",
-                 help="keep 4 KiB host pages (default: the script re-executes itself with "
-                      "GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which the peer inherits; "
-                      "see gem_jax/hostmem.py)")
+                 help="keep 4 KiB host pages (default: the script re-executes itself "
+                      "asking its malloc for huge pages, under jemalloc where found; the "
+                      "peer inherits both: gem_jax/hostmem.py)")
   return p.parse_args(argv)
 
 
@@ -184,5 +184,5 @@ def main(argv=None):
 if __name__ == "__main__":
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
   from gem_jax import hostmem  # pylint: disable=import-outside-toplevel
-  hostmem.use_huge_pages("--no-hugepages" not in sys.argv)
+  hostmem.use_host_malloc("--no-hugepages" not in sys.argv)
   main()

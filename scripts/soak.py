@@ -107,14 +107,17 @@ def trainer_cmd(args, workdir: str, cache: str, stop_at: int = 0) -> list[str]:
   return cmd + ([f"--config.train.stop_at={stop_at}"] if stop_at else [])
 
 
-def trainer_env(glibc_tunables: str = "", preload: str = "") -> dict:
+def trainer_env(glibc_tunables: str = "", preload: str = "", malloc: str = "") -> dict:
   """The trainer's environment: CPU, 8 devices, GLIBC_TUNABLES as given (empty: the
-  trainer's own, malloc huge pages: `hostmem.use_huge_pages`), LD_PRELOAD = `preload`
-  (another malloc, e.g. libjemalloc.so.2; empty: glibc's)."""
+  trainer's own, malloc huge pages: `hostmem.use_host_malloc`), GEM_JAX_MALLOC = `malloc`
+  (empty: the trainer's own choice, jemalloc where found), LD_PRELOAD = `preload` (another
+  malloc, e.g. libtcmalloc.so.4; empty: none of the harness's own)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  env.pop("GLIBC_TUNABLES", None)
-  env.pop("LD_PRELOAD", None)
+  for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", hostmem.MALLOC):
+    env.pop(k, None)
+  if malloc:
+    env[hostmem.MALLOC] = malloc
   if glibc_tunables:   # named tunables win over the trainer's (gem_jax/hostmem.py)
     env["GLIBC_TUNABLES"] = glibc_tunables
   if preload:
@@ -245,9 +248,12 @@ def main(argv=None) -> dict:
   p.add_argument("--glibc-tunables", default="",
                  help="GLIBC_TUNABLES for the trainer instead of its own (hugetlb=1), e.g. "
                       "'glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2'")
+  p.add_argument("--malloc", choices=["auto", "jemalloc", "glibc"], default="",
+                 help="the trainer's GEM_JAX_MALLOC (default: its own, auto: jemalloc where "
+                      "found; gem_jax/hostmem.py)")
   p.add_argument("--preload", default="",
-                 help="a malloc library for the trainer (LD_PRELOAD), e.g. "
-                      "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+                 help="another malloc library for the trainer (LD_PRELOAD), e.g. "
+                      "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
   p.add_argument("--samples-out", default="", help="write the raw samples (JSON) here")
   args = p.parse_args(argv)
   warmup_s = 60 * (args.warmup_min or min(5.0, args.minutes / 5))
@@ -257,8 +263,9 @@ def main(argv=None) -> dict:
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
   log = open(os.path.join(root, "trainer.log"), "w", encoding="utf-8")  # noqa: SIM115
+  env = trainer_env(args.glibc_tunables, args.preload, args.malloc)
   proc = subprocess.Popen(trainer_cmd(args, workdir, cache), stdout=subprocess.DEVNULL,
-                          stderr=log, env=trainer_env(args.glibc_tunables, args.preload), cwd=ROOT)
+                          stderr=log, env=env, cwd=ROOT)
   t0 = None  # the first logged train row: start-up (imports, compiling) is not the soak
   samples, row_t, seen, malloc = [], {}, 0, "unknown"
   maps = {}   # per-mapping RSS at the end of the warm-up and at the end (where it grows)
@@ -334,7 +341,7 @@ def restart(args, workdir: str, cache: str, root: str) -> dict:
     before, t = dir_bytes(cache), time.monotonic()
     r = subprocess.run(trainer_cmd(args, workdir, cache, last + 2 * args.checkpoint_every),
                        capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env=trainer_env(args.glibc_tunables, args.preload))
+                       env=trainer_env(args.glibc_tunables, args.preload, args.malloc))
     with open(os.path.join(root, f"restart{i}.log"), "w", encoding="utf-8") as f:
       f.write(r.stderr)
     ok = r.returncode == 0 and f"resumed from the checkpoint at step {last}" in r.stderr

@@ -11,8 +11,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gem_jax import hostmem  # noqa: E402  (imports no jax: the re-exec comes first)
 
-if __name__ == "__main__":  # host tables in huge pages; GLIBC_TUNABLES=glibc.malloc.hugetlb=0: off
-  hostmem.use_huge_pages()
+if __name__ == "__main__":  # jemalloc where found, huge pages (gem_jax/hostmem.py)
+  hostmem.use_host_malloc()
 
 hostmem.simulate_cpu_devices()
 

@@ -1,4 +1,5 @@
-"""gem_jax.hostmem: the huge-page re-exec sets the tunable once and respects an opt-out;
+"""gem_jax.hostmem: the host-malloc re-exec (jemalloc where found, huge pages) sets its
+variables once and respects an opt-out;
 the simulated CPU device count is added only when XLA_FLAGS states none; freed heap goes
 back to the OS."""
 import os
@@ -15,20 +16,23 @@ import os, sys
 sys.path.insert(0, {root!r})
 from gem_jax import hostmem
 print("start", os.getpid(), flush=True)
-hostmem.use_huge_pages()
+hostmem.use_host_malloc()
 print("tunables", os.environ.get("GLIBC_TUNABLES", ""), hostmem.huge_pages_requested())
+print("malloc", hostmem.allocator(), os.environ.get("MALLOC_CONF", "").strip())
 """
+_MALLOC_VARS = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", hostmem.MALLOC)
 
 
-def _run(tmp_path, env_tunables=None):
+def _run(tmp_path, env_tunables=None, malloc="glibc"):
   path = tmp_path / "s.py"
   path.write_text(SCRIPT.format(root=ROOT))
-  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS}
+  env[hostmem.MALLOC] = malloc
   if env_tunables is not None:
     env["GLIBC_TUNABLES"] = env_tunables
   out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
                        timeout=60, check=True).stdout.split("\n")
-  return [l for l in out if l]
+  return [l.strip() for l in out if l]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables are Linux-only")
@@ -36,13 +40,60 @@ def test_reexec_once_same_pid(tmp_path):
   lines = _run(tmp_path, "glibc.malloc.arena_max=2")
   starts = [l for l in lines if l.startswith("start")]
   assert len(starts) == 2 and len({s.split()[1] for s in starts}) == 1  # execv keeps the pid
-  assert lines[-1] == "tunables glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1 True"
+  assert lines[-2] == "tunables glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1 True"
+  assert lines[-1] == "malloc glibc"
 
 
 def test_opt_out_is_respected(tmp_path):
   lines = _run(tmp_path, "glibc.malloc.hugetlb=0")
   assert len([l for l in lines if l.startswith("start")]) == 1
-  assert lines[-1] == "tunables glibc.malloc.hugetlb=0 False"
+  assert lines[-2] == "tunables glibc.malloc.hugetlb=0 False"
+
+
+@pytest.mark.skipif(hostmem.jemalloc_library() is None,
+                    reason="libjemalloc.so.2 not installed (Debian/Ubuntu: libjemalloc2)")
+def test_jemalloc_preloaded_by_default_where_found(tmp_path):
+  """The default (auto) re-executes once under jemalloc with its huge pages asked for."""
+  lines = _run(tmp_path, malloc="auto")
+  starts = [l for l in lines if l.startswith("start")]
+  assert len(starts) == 2 and len({s.split()[1] for s in starts}) == 1
+  assert lines[-2] == "tunables glibc.malloc.hugetlb=1 True"
+  assert lines[-1] == "malloc jemalloc thp:always"
+  lines = _run(tmp_path, "glibc.malloc.hugetlb=0", malloc="auto")   # huge pages off: no thp
+  assert lines[-2:] == ["tunables glibc.malloc.hugetlb=0 False", "malloc jemalloc"]
+
+
+JE = "libjemalloc.so.2"
+HUGE = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+@pytest.mark.parametrize("environ, huge, jemalloc, changes", [
+    ({}, True, JE, {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}),
+    ({**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}, True, JE, {}),   # re-exec'd: done
+    ({}, True, None, HUGE),                                          # no jemalloc: glibc
+    ({}, False, JE, {"LD_PRELOAD": JE}),                             # 4 KiB pages
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, True, JE, {"LD_PRELOAD": JE}),  # opt-out
+    ({"GEM_JAX_MALLOC": "glibc"}, True, JE, HUGE),
+    ({"LD_PRELOAD": "/opt/libmine.so"}, True, JE, HUGE),             # the caller's preload kept
+    ({"LD_PRELOAD": "/opt/libmine.so", "GEM_JAX_MALLOC": "jemalloc"}, True, JE,
+     {**HUGE, "LD_PRELOAD": JE + " /opt/libmine.so", "MALLOC_CONF": "thp:always"}),
+    ({"MALLOC_CONF": "narenas:4"}, True, JE,
+     {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "narenas:4,thp:always"}),
+    ({"MALLOC_CONF": "thp:never"}, True, JE, {**HUGE, "LD_PRELOAD": JE}),   # the caller's thp
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, True, None,
+     {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}),
+])
+def test_host_malloc_env(environ, huge, jemalloc, changes):
+  assert hostmem.host_malloc_env(environ, huge, jemalloc) == changes
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"GEM_JAX_MALLOC": "tcmalloc"}, "GEM_JAX_MALLOC='tcmalloc': expected auto, jemalloc or glibc"),
+    ({"GEM_JAX_MALLOC": "jemalloc"}, "GEM_JAX_MALLOC=jemalloc: the dynamic loader finds no "
+                                      "libjemalloc.so.2")])
+def test_host_malloc_env_errors(environ, message):
+  with pytest.raises(SystemExit, match=message):
+    hostmem.host_malloc_env(environ, True, None)
 
 
 @pytest.mark.parametrize("before, after", [

@@ -32,13 +32,16 @@ def test_soak_short(tmp_path):
   for k in ("rss_slope_mb_per_h", "step_time_drift", "step_time_s_first", "step_time_s_last"):
     assert math.isfinite(out[k]), k
   assert set(out) >= {"pass", "failed", "cache_growth_after_warmup_bytes", "load_avg"}
-  if sys.platform.startswith("linux"):
-    assert out["allocator"] == "glibc"   # no --preload
+  if sys.platform.startswith("linux"):   # the trainer's own: jemalloc where found
+    assert out["allocator"] == ("jemalloc" if soak.hostmem.jemalloc_library() else "glibc")
 
 
 def test_trainer_env_preloads_a_named_malloc(tmp_path, monkeypatch):
   monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libx.so")
-  assert "LD_PRELOAD" not in soak.trainer_env()          # the harness's own is not inherited
+  monkeypatch.setenv("MALLOC_CONF", "narenas:1")
+  env = soak.trainer_env()
+  assert "LD_PRELOAD" not in env and "MALLOC_CONF" not in env   # the harness's own: not inherited
+  assert soak.trainer_env(malloc="glibc")["GEM_JAX_MALLOC"] == "glibc"
   lib = tmp_path / "libjemalloc.so.2"
   lib.write_bytes(b"")
   assert soak.trainer_env(preload=str(lib))["LD_PRELOAD"] == str(lib)
