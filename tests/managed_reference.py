@@ -7,7 +7,7 @@ live by eviction priority, row), the rest counted as collisions.
 """
 import numpy as np
 
-from gem_jax.embedding import managed
+from gem_jax.embedding import distinct_ids, managed
 
 
 def window(x: int, windows: int) -> int:
@@ -18,7 +18,7 @@ def window(x: int, windows: int) -> int:
 def miss_order(x: int) -> tuple[int, int]:
   """The order of a window's misses: (the id's 32-bit fingerprint, the id)."""
   hi, lo = managed.split_ids(np.array([x], np.int64), "f", "t")[0]
-  return int(managed._fingerprint(np.array([hi]), np.array([lo]), xp=np)[0]), x
+  return int(distinct_ids.fingerprint(np.array([hi]), np.array([lo]), xp=np)[0]), x
 
 
 class RefMap:

@@ -14,6 +14,7 @@ from gem_jax.embedding import (FeatureConfig, SparseOptimizerConfig, TableConfig
                                gather_rows, hash_ids, id_stats, import_state, init_embedding_state,
                                managed, normal_init, plan_embeddings, pool_rows, prepare_ids,
                                apply_sparse_updates)
+from gem_jax.embedding import distinct_ids
 from gem_jax.embedding import update as update_lib
 from managed_reference import RefMap
 
@@ -128,31 +129,38 @@ def test_stream_matches_reference_across_restore(first, second, eviction, ttl, e
 
 
 
-def test_tables_of_one_exchange_match_their_references():
-  """Two managed tables of different windows, policies and route sizes travel in one
-  exchange (`_route_a2a`: side by side in each (device, owner) row); "v"'s routes are
-  sized for 2 distinct ids per (device, owner), so its odd steps (up to 6) overflow them
-  and every table takes the broadcast path, its even ones (2) do not: each table's rows,
-  counters and map equal its own reference's."""
+@pytest.mark.parametrize("exchange", ["a2a", "ragged"])
+def test_tables_of_one_exchange_match_their_references(exchange):
+  """Four managed tables of different windows, policies, TTLs, sizes and route sizes travel
+  in one exchange (`_route_a2a`: side by side in each (device, owner) row; ragged: one
+  exchange each) and are resolved together (`_owner_resolve`: "u" with "w" and "v" with
+  "x" in one policy pass each, concatenated); "v"'s routes are sized for 2 distinct ids per
+  (device, owner) on the padded route, so its odd steps (up to 6) overflow them and every
+  table takes the broadcast path, its even ones (2) do not (ragged: routes of full size,
+  never overflowing): each table's rows, counters and map equal its own reference's."""
   tables = [TableConfig("u", rows=ROWS, dim=4, id_policy="managed", probe=K, ttl_steps=3),
             TableConfig("v", rows=2 * ROWS, dim=4, id_policy="managed", probe=8,
-                        eviction="lfu")]
-  feats = [FeatureConfig("u", "u", bag=2), FeatureConfig("v", "v", bag=3)]
-  plan = plan_embeddings(tables, feats, make_mesh(2, 4), batch_size=B,
+                        eviction="lfu"),
+            TableConfig("w", rows=3 * ROWS, dim=4, id_policy="managed", probe=K, ttl_steps=5),
+            TableConfig("x", rows=ROWS, dim=4, id_policy="managed", probe=8, eviction="lfu")]
+  feats = [FeatureConfig(t.name, t.name, bag=3 if t.eviction == "lfu" else 2) for t in tables]
+  plan = plan_embeddings(tables, feats, make_mesh(2, 4), batch_size=B, rw_exchange=exchange,
                          optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1),
-                         distinct_share={"v": 0.02})
-  assert plan.managed_capacity("u")[0] == 4 and plan.managed_capacity("v")[0] == 2
-  refs = {"u": RefMap(ROWS, K, "lru", 3), "v": RefMap(2 * ROWS, 8, "lfu", 0)}
+                         distinct_share={"v": 0.02} if exchange == "a2a" else {})
+  if exchange == "a2a":
+    assert plan.managed_capacity("u")[0] == 4 and plan.managed_capacity("v")[0] == 2
+  refs = {t.name: RefMap(t.rows, t.probe, t.eviction, t.ttl_steps) for t in tables}
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
   rng = np.random.default_rng(5)
   pops = {t: rng.integers(0, 1 << 62, 400, dtype=np.int64) * 2 + 1 for t in refs}
-  seen, by_broadcast = dict.fromkeys(["evictions", "hits"], 0), []
+  seen, by_broadcast = dict.fromkeys(["evictions", "hits", "expired"], 0), []
   for step in range(8):
     live = {t: p[5 * step: 5 * step + 60] for t, p in pops.items()}
     if step % 2 == 0:                  # 2 distinct ids of "v": no route overflows
       live["v"] = live["v"][:2]
-    host = {"u": rng.choice(live["u"], (B, 2)), "v": rng.choice(live["v"], (B, 3))}
-    host["v"][rng.random((B, 3)) < 0.2] = -1
+    host = {f.name: rng.choice(live[f.table], (B, f.bag)) for f in feats}
+    for f in ("v", "x"):
+      host[f][rng.random((B, 3)) < 0.2] = -1
     ids = jax.device_put(prepare_ids(plan, host), plan.ids_shardings())
     state, rows, counters = step_fn(state, ids, step)
     routes = set()
@@ -162,8 +170,8 @@ def test_tables_of_one_exchange_match_their_references():
       routes.add(c["broadcast"])
     assert len(routes) == 1                   # one route for every table of the step
     by_broadcast.append(routes.pop())
-  assert seen["evictions"] > 0 and seen["hits"] > 0
-  assert not any(by_broadcast[::2]) and any(by_broadcast[1::2])
+  assert seen["evictions"] > 0 and seen["hits"] > 0 and seen["expired"] > 0
+  assert not any(by_broadcast[::2]) and (any(by_broadcast[1::2]) or exchange == "ragged")
 
 
 @pytest.mark.parametrize("force", ["sort", "fingerprint_ties", "refined_ties"])
@@ -172,11 +180,11 @@ def test_every_dedup_path_matches_reference(force, monkeypatch):
   sort (after ties in the first) and the single-key path give the reference's rows and maps:
   all order a window's misses by (fingerprint, id)."""
   if force == "sort":
-    monkeypatch.setattr(managed, "_key_bits", lambda leads: None)
+    monkeypatch.setattr(distinct_ids, "key_bits", lambda leads: None)
   else:                               # 2-bit fingerprints: ties in most steps
-    monkeypatch.setattr(managed, "_key_bits", lambda leads: 2)
+    monkeypatch.setattr(distinct_ids, "key_bits", lambda leads: 2)
   if force == "refined_ties":         # and 1 more bit: ties left for the exact sort
-    monkeypatch.setattr(managed, "_refine_bits", lambda slots, bits: 1)
+    monkeypatch.setattr(distinct_ids, "refine_bits", lambda slots, bits: 1)
   ref = RefMap(ROWS, K, "lru", 3)
   plan = _plan(make_mesh(2, 4), "lru", 3)
   state, step_fn = init_embedding_state(plan, jax.random.key(0)), _step_fn(plan)
@@ -198,17 +206,18 @@ def test_dedup_paths_equal_the_exact_sort(bits, refine, taken, monkeypatch):
   g, hi, lo, valid, lead = _zipf_ids(rng, 50)
   w = jnp.asarray(rng.integers(1, 4, g.shape[0]).astype(np.int32))
   if bits:
-    monkeypatch.setattr(managed, "_key_bits", lambda leads: bits)
+    monkeypatch.setattr(distinct_ids, "key_bits", lambda leads: bits)
   if refine:
-    monkeypatch.setattr(managed, "_refine_bits", lambda slots, bits: refine)
-  b = managed._key_bits(50)
-  fp = managed._fingerprint(hi, lo)
-  first, exact1 = managed._distinct_keyed(hi, lo, lead, w, managed._first_key(fp, lead, valid, b))
-  r = managed._refine_bits(g.shape[0], b)
-  exact2 = managed._distinct_keyed(hi, lo, lead, w,
-                                   managed._refined_key(fp, first[0], valid, b, r))[1]
+    monkeypatch.setattr(distinct_ids, "refine_bits", lambda slots, bits: refine)
+  b = distinct_ids.key_bits(50)
+  fp = distinct_ids.fingerprint(hi, lo)
+  first, exact1 = distinct_ids.distinct_keyed(hi, lo, lead, w,
+                                              distinct_ids.first_key(fp, lead, valid, b))
+  r = distinct_ids.refine_bits(g.shape[0], b)
+  exact2 = distinct_ids.distinct_keyed(hi, lo, lead, w,
+                                       distinct_ids.refined_key(fp, first[0], valid, b, r))[1]
   assert taken == ("first" if exact1 else "refined" if exact2 else "sort")
-  _assert_equal(managed._distinct(g, lead, 50, w), managed._distinct_sorted(hi, lo, lead, w))
+  _assert_equal(distinct_ids.distinct(g, lead, 50, w), distinct_ids.distinct_sorted(hi, lo, lead, w))
 
 
 @pytest.mark.parametrize("leads", [1 << 25, 1 << 30])
@@ -216,10 +225,10 @@ def test_dedup_with_few_key_bits_equals_the_exact_sort(leads):
   """A shard with millions of windows leaves the key 6 fingerprint bits (2^25 leads) or
   one (2^30): the single-key sorts still give the exact sort's result (before, fewer than
   8 bits always took the exact sort)."""
-  assert managed._key_bits(leads) == (6 if leads == 1 << 25 else 1)
+  assert distinct_ids.key_bits(leads) == (6 if leads == 1 << 25 else 1)
   g, hi, lo, _, lead = _zipf_ids(np.random.default_rng(2), leads)
-  _assert_equal(managed._distinct(g, lead, leads),
-                managed._distinct_sorted(hi, lo, lead, jnp.ones(g.shape[:1], jnp.int32)))
+  _assert_equal(distinct_ids.distinct(g, lead, leads),
+                distinct_ids.distinct_sorted(hi, lo, lead, jnp.ones(g.shape[:1], jnp.int32)))
 
 
 def _zipf_ids(rng, leads: int):
