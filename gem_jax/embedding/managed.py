@@ -523,10 +523,11 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   """Each device's distinct ids to the owners of their windows, for all tables `ts` at
   once: one all_to_all of (S, sum C, 3) (table t's C per (device, owner) pair side by
   side), gathered over 'replica' (each owner sees its windows' ids of the whole batch),
-  resolved table by table, rows sent back by one all_to_all of (S, sum C) along the same
-  routes. `owned`: `_owners(plan, ts, xs)`. Returns [(rows (n,) of the device's
-  distinct ids in `_owners` order (-1: none; `rows[inv]` per id slot), counts, writes)] per
-  table, the writes (`_owner_resolve`'s) over the R S C slots resolved.
+  resolved (`_owner_resolve`, all tables in one call), rows sent back by one all_to_all of
+  (S, sum C, 2) (row, owner index) along the same routes. `owned`: `_owners(plan, ts, xs)`.
+  Returns [(rows (n,) of the device's distinct ids in `_owners` order (-1: none; `rows[inv]`
+  per id slot), counts, writes, fits, owner index (n,))] per table, the writes
+  (`_owner_resolve`'s) over the R S C slots resolved.
     Example (S = 2, tables u with C = 3 and v with C = 2): device 0 sends owner 1 the
     row [u0 u1 u2 v0 v1] of (hi, lo, count) triples (its runs padded with hi = -1); owner 1
     resolves slots [:, 0:3] against u's map and [:, 3:5] against v's."""
@@ -568,8 +569,8 @@ def _with_owner_index(rows, inv):
 
 
 def _route_ragged(plan, ts, sts, xs, step, update, Ms, owned, native: bool):
-  """`_route_a2a` by `ragged_all_to_all` (module `ragged`), table by table: each device's
-  owner runs of distinct ids travel as they are into a receive buffer of M slots per owner
+  """`_route_a2a` by `ragged_all_to_all` (module `ragged`), an exchange per table: each
+  device's owner runs of distinct ids travel as they are into a receive buffer of M slots per owner
   (`EmbeddingPlan.managed_capacity`), so the owner resolves M slots, not S x C (M ~ the
   group's distinct ids of its windows + 4 sqrt of them: flat in S), all tables' at once;
   rows go back along the same routes. Returns `_route_a2a`'s."""
