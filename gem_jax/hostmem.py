@@ -5,13 +5,17 @@ The loader reads LD_PRELOAD and glibc its tunables (GLIBC_TUNABLES) at process s
 `use_host_malloc` re-executes the script once with them set; what the caller's environment
 already names is left as it is (its value wins: an opt-out or a different choice).
 
-jemalloc where the system has it. A long run saves checkpoints from a thread pool and
-evaluates every few minutes; glibc's per-thread arenas keep the freed pages of those bursts
-and its RSS creeps up (soak of docs/RELIABILITY.md: 19.6 MB/h over 130 minutes with the
-heap in use flat), where jemalloc stays flat (-0.8 MB/h over 120 minutes). So the scripts
-preload libjemalloc.so.2 when the dynamic loader finds it (Debian/Ubuntu: libjemalloc2),
-and run on glibc's malloc otherwise. GEM_JAX_MALLOC=glibc opts out, =jemalloc makes a
-missing library an error; a LD_PRELOAD already set is kept as it is.
+jemalloc on request. A long run saves checkpoints from a thread pool and evaluates every few
+minutes; glibc's per-thread arenas keep freed pages of those bursts and its RSS creeps up
+(soak of docs/RELIABILITY.md: 19.6 MB/h over 130 minutes with the heap in use flat).
+GEM_JAX_MALLOC=jemalloc preloads libjemalloc.so.2 (an error where the dynamic loader does not
+find it; Debian/Ubuntu: libjemalloc2), =auto where found; the default is glibc's malloc. Not
+the default because no setting measured so far is both fast and flat (docs/RELIABILITY.md,
+"Soak run", 2026-12-07): jemalloc without huge pages kept RSS flat over 120 minutes but ran
+dlrm_peer 35 % slower (its tables' row reads miss the TLB); with them it is as fast as glibc,
+but its RSS grew 20-29 MB/h (its huge pages: AnonHugePages +35 MB/h). A long run whose host
+holds no large tables (tables in GPU memory) keeps RSS flat with GEM_JAX_MALLOC=jemalloc
+MALLOC_CONF=thp:never. A LD_PRELOAD already set is kept as it is.
 
 Transparent huge pages for host memory. Random row reads into a table of hundreds of MB
 miss the TLB on nearly every access with 4 KiB pages. On machines whose THP mode is
@@ -52,7 +56,7 @@ def use_malloc_tunables(tunables: dict[str, int]) -> None:
   os.execv(sys.executable, [sys.executable] + sys.argv)
 
 
-MALLOC = "GEM_JAX_MALLOC"     # auto (default): jemalloc where found | jemalloc | glibc
+MALLOC = "GEM_JAX_MALLOC"     # glibc (default) | jemalloc | auto: jemalloc where found
 JEMALLOC_THP = "thp:always"
 
 
@@ -71,11 +75,12 @@ def _tunables(environ) -> dict[str, str]:
 def host_malloc_env(environ, huge_pages: bool, jemalloc: str | None) -> dict[str, str]:
   """The variables `use_host_malloc` sets (those that change), given the environment and
   jemalloc's soname (None: not installed). Raises SystemExit on a bad GEM_JAX_MALLOC.
-    Example: {} , huge pages, 'libjemalloc.so.2' -> {GLIBC_TUNABLES: 'glibc.malloc.hugetlb=1',
-    LD_PRELOAD: 'libjemalloc.so.2', MALLOC_CONF: 'thp:always'}; run again with those set: {}."""
-  choice = environ.get(MALLOC, "auto")
+    Example: {GEM_JAX_MALLOC: 'auto'}, huge pages, 'libjemalloc.so.2' -> {GLIBC_TUNABLES:
+    'glibc.malloc.hugetlb=1', LD_PRELOAD: 'libjemalloc.so.2', MALLOC_CONF: 'thp:always'}; run
+    again with those set: {}."""
+  choice = environ.get(MALLOC, "glibc")
   if choice not in ("auto", "jemalloc", "glibc"):
-    raise SystemExit(f"{MALLOC}={choice!r}: expected auto, jemalloc or glibc")
+    raise SystemExit(f"{MALLOC}={choice!r}: expected glibc, jemalloc or auto")
   out, tunables = {}, _tunables(environ)
   if huge_pages and TUNABLE not in tunables:
     current = environ.get("GLIBC_TUNABLES", "")
@@ -95,9 +100,9 @@ def host_malloc_env(environ, huge_pages: bool, jemalloc: str | None) -> dict[str
 
 
 def use_host_malloc(huge_pages: bool = True) -> None:
-  """Re-executes the running script once with its host malloc set up (module doc): jemalloc
-  where found, huge pages for large blocks unless `huge_pages` is False. Nothing to change:
-  no re-exec; not Linux: nothing."""
+  """Re-executes the running script once with its host malloc set up (module doc): glibc's or,
+  on request, jemalloc; huge pages for large blocks unless `huge_pages` is False. Nothing to
+  change: no re-exec; not Linux: nothing."""
   if not sys.platform.startswith("linux"):
     return
   changes = host_malloc_env(os.environ, huge_pages, jemalloc_library())

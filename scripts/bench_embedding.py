@@ -45,8 +45,8 @@ fits the table: hits). Each run prints the managed counters of its last step (sh
 the batch's distinct ids that were hits, inserts, evictions), so sizes are compared in
 the same regime.
 
-Host memory: the script re-executes itself under the trainer's host malloc (jemalloc where
-the system has it, `hostmem.use_host_malloc`) asking for transparent huge pages for large
+Host memory: the script re-executes itself under the trainer's host malloc
+(`hostmem.use_host_malloc`) asking for transparent huge pages for large
 buffers (on machines whose THP mode is 'madvise'); random row accesses into a multi-GB
 table then miss the TLB far less often. `--no-hugepages` keeps 4 KiB pages (to compare).
 """

@@ -77,7 +77,7 @@ def parse_args(argv=None):
                  help="peer precision; auto: gem_jax's (bf16/fp8 compute -> bf16, fp32 -> off)")
   p.add_argument("--no-hugepages", action="store_true",
                  help="keep 4 KiB host pages (default: the script re-executes itself "
-                      "asking its malloc for huge pages, under jemalloc where found; the "
+                      "asking its malloc (GEM_JAX_MALLOC) for huge pages; the "
                       "peer inherits both: gem_jax/hostmem.py)")
   return p.parse_args(argv)
 

@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gem_jax import hostmem  # noqa: E402  (imports no jax: the re-exec comes first)
 
-if __name__ == "__main__":  # jemalloc where found, huge pages (gem_jax/hostmem.py)
+if __name__ == "__main__":  # host malloc, huge pages (gem_jax/hostmem.py)
   hostmem.use_host_malloc()
 
 hostmem.simulate_cpu_devices()

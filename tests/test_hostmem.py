@@ -1,4 +1,4 @@
-"""gem_jax.hostmem: the host-malloc re-exec (jemalloc where found, huge pages) sets its
+"""gem_jax.hostmem: the host-malloc re-exec (huge pages, jemalloc on request) sets its
 variables once and respects an opt-out;
 the simulated CPU device count is added only when XLA_FLAGS states none; freed heap goes
 back to the OS."""
@@ -27,7 +27,8 @@ def _run(tmp_path, env_tunables=None, malloc="glibc"):
   path = tmp_path / "s.py"
   path.write_text(SCRIPT.format(root=ROOT))
   env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS}
-  env[hostmem.MALLOC] = malloc
+  if malloc is not None:
+    env[hostmem.MALLOC] = malloc
   if env_tunables is not None:
     env["GLIBC_TUNABLES"] = env_tunables
   out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
@@ -52,8 +53,9 @@ def test_opt_out_is_respected(tmp_path):
 
 @pytest.mark.skipif(hostmem.jemalloc_library() is None,
                     reason="libjemalloc.so.2 not installed (Debian/Ubuntu: libjemalloc2)")
-def test_jemalloc_preloaded_by_default_where_found(tmp_path):
-  """The default (auto) re-executes once under jemalloc with its huge pages asked for."""
+def test_jemalloc_preloaded_on_request(tmp_path):
+  """GEM_JAX_MALLOC=auto re-executes once under jemalloc with its huge pages asked for; the
+  default stays on glibc's malloc."""
   lines = _run(tmp_path, malloc="auto")
   starts = [l for l in lines if l.startswith("start")]
   assert len(starts) == 2 and len({s.split()[1] for s in starts}) == 1
@@ -61,25 +63,28 @@ def test_jemalloc_preloaded_by_default_where_found(tmp_path):
   assert lines[-1] == "malloc jemalloc thp:always"
   lines = _run(tmp_path, "glibc.malloc.hugetlb=0", malloc="auto")   # huge pages off: no thp
   assert lines[-2:] == ["tunables glibc.malloc.hugetlb=0 False", "malloc jemalloc"]
+  assert _run(tmp_path, malloc=None)[-1] == "malloc glibc"
 
 
 JE = "libjemalloc.so.2"
 HUGE = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+AUTO, JEM = {"GEM_JAX_MALLOC": "auto"}, {"GEM_JAX_MALLOC": "jemalloc"}
 
 
 @pytest.mark.parametrize("environ, huge, jemalloc, changes", [
-    ({}, True, JE, {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}),
-    ({**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}, True, JE, {}),   # re-exec'd: done
-    ({}, True, None, HUGE),                                          # no jemalloc: glibc
-    ({}, False, JE, {"LD_PRELOAD": JE}),                             # 4 KiB pages
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, True, JE, {"LD_PRELOAD": JE}),  # opt-out
+    ({}, True, JE, HUGE),                                            # default: glibc
+    (AUTO, True, JE, {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}),
+    ({**AUTO, **HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}, True, JE, {}),  # re-exec'd
+    (AUTO, True, None, HUGE),                                        # auto, none: glibc
+    (AUTO, False, JE, {"LD_PRELOAD": JE}),                           # 4 KiB pages
+    ({**AUTO, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, True, JE, {"LD_PRELOAD": JE}),
     ({"GEM_JAX_MALLOC": "glibc"}, True, JE, HUGE),
-    ({"LD_PRELOAD": "/opt/libmine.so"}, True, JE, HUGE),             # the caller's preload kept
-    ({"LD_PRELOAD": "/opt/libmine.so", "GEM_JAX_MALLOC": "jemalloc"}, True, JE,
+    ({**AUTO, "LD_PRELOAD": "/opt/libmine.so"}, True, JE, HUGE),     # the caller's preload kept
+    ({**JEM, "LD_PRELOAD": "/opt/libmine.so"}, True, JE,
      {**HUGE, "LD_PRELOAD": JE + " /opt/libmine.so", "MALLOC_CONF": "thp:always"}),
-    ({"MALLOC_CONF": "narenas:4"}, True, JE,
+    ({**JEM, "MALLOC_CONF": "narenas:4"}, True, JE,
      {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "narenas:4,thp:always"}),
-    ({"MALLOC_CONF": "thp:never"}, True, JE, {**HUGE, "LD_PRELOAD": JE}),   # the caller's thp
+    ({**JEM, "MALLOC_CONF": "thp:never"}, True, JE, {**HUGE, "LD_PRELOAD": JE}),  # caller's thp
     ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, True, None,
      {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}),
 ])
@@ -88,7 +93,7 @@ def test_host_malloc_env(environ, huge, jemalloc, changes):
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"GEM_JAX_MALLOC": "tcmalloc"}, "GEM_JAX_MALLOC='tcmalloc': expected auto, jemalloc or glibc"),
+    ({"GEM_JAX_MALLOC": "tcmalloc"}, "GEM_JAX_MALLOC='tcmalloc': expected glibc, jemalloc or auto"),
     ({"GEM_JAX_MALLOC": "jemalloc"}, "GEM_JAX_MALLOC=jemalloc: the dynamic loader finds no "
                                       "libjemalloc.so.2")])
 def test_host_malloc_env_errors(environ, message):
