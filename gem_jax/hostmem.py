@@ -105,7 +105,8 @@ def use_host_malloc(huge_pages: bool = True) -> None:
   change: no re-exec; not Linux: nothing."""
   if not sys.platform.startswith("linux"):
     return
-  changes = host_malloc_env(os.environ, huge_pages, jemalloc_library())
+  wanted = os.environ.get(MALLOC, "glibc") != "glibc"   # no library lookup for the default
+  changes = host_malloc_env(os.environ, huge_pages, jemalloc_library() if wanted else None)
   if changes:
     os.environ.update(changes)
     sys.stdout.flush()

@@ -217,7 +217,8 @@ def test_dedup_paths_equal_the_exact_sort(bits, refine, taken, monkeypatch):
   exact2 = distinct_ids.distinct_keyed(hi, lo, lead, w,
                                        distinct_ids.refined_key(fp, first[0], valid, b, r))[1]
   assert taken == ("first" if exact1 else "refined" if exact2 else "sort")
-  _assert_equal(distinct_ids.distinct(g, lead, 50, w), distinct_ids.distinct_sorted(hi, lo, lead, w))
+  _assert_equal(distinct_ids.distinct(g, lead, 50, w),
+                distinct_ids.distinct_sorted(hi, lo, lead, w))
 
 
 @pytest.mark.parametrize("leads", [1 << 25, 1 << 30])

@@ -2,8 +2,8 @@
 
 Raw 64-bit ids travel as int32 halves (hi, lo) (`managed.split_ids`); `distinct` returns the
 distinct ids of a batch grouped by a lead in [0, leads) (the requester's: each id's owner;
-the owner's: its local window; `_owner_resolve` adds a table offset), each lead's in the
-order (fp(x), x) of `fingerprint`, which the managed policy ranks misses by.
+the owner's: its local window), each lead's in the order (fp(x), x) of `fingerprint`, which
+the managed policy ranks misses by.
 
 One sort of a single uint32 key, lead 2^bits + the top `bits` bits of fp(x) (bits = what the
 lead count leaves of 32: 28 for 8 owners, 17 for 19,532 windows per owner, 6 for the 2^25

@@ -465,13 +465,13 @@ def _owner_resolve(plan: EmbeddingPlan, ts, sts, gs, step, update: bool, ws=None
     local, writes, counted = _decide(
         t0, x, step, update, jnp.asarray(starts) if len(members) > 1 else None,
         per_id([ts[i].ttl_steps for i in members]), per_id([rpss[i] for i in members]))
-    if counted is not None:
-      tab = per_id(range(len(members)))
-      counts = jax.ops.segment_sum(counted, tab, len(members), indices_are_sorted=True)
+    if update:
+      counts = jax.ops.segment_sum(counted, per_id(range(len(members))), len(members),
+                                   indices_are_sorted=True)                # (tables, 7)
     for j, i in enumerate(members):
       cut = lambda v: v[offs[j]:offs[j + 1]]  # noqa: E731
-      decided[i] = (cut(local), None if writes is None else tuple(cut(v) for v in writes),
-                    None if counted is None else counts[j])
+      decided[i] = ((cut(local), tuple(cut(v) for v in writes), counts[j]) if update
+                    else (cut(local), None, None))
   out = []
   for i, t in enumerate(ts):
     inv, D, fits, x = reads[i]
@@ -480,7 +480,7 @@ def _owner_resolve(plan: EmbeddingPlan, ts, sts, gs, step, update: bool, ws=None
     rows = jnp.pad(jnp.where(local >= 0, shard * rps + local, -1), (0, M - D),
                    constant_values=-1)                                     # (M,) per distinct id
     rows = (rows, inv) if distinct else rows[inv]
-    if writes is None:
+    if not update:
       nothing = jnp.full((D,), rps, jnp.int32)
       out.append((rows, jnp.zeros((7,), jnp.int32), (nothing, x["hi"], x["lo"], x["occ"],
                                                       nothing), fits))
@@ -503,20 +503,17 @@ def _route_broadcast(plan, ts, sts, xs, step, update):
   return out
 
 
-def _owners(plan, ts, xs):
-  """Requester side, per table: its distinct ids (`distinct` grouped by owner), the owner of
-  each (S: padding) and where each owner's run starts in them (S + 1 edges)."""
-  S, out = plan.num_shards, []
-  for t, x in zip(ts, xs):
-    rps = plan.buffers[plan.buffer_of[t.name]].local_rows
-    valid = x[:, 0] >= 0
-    win = window_of(x[:, 0], jnp.where(valid, x[:, 1], 0), t.rows // t.probe)
-    lead = jnp.where(valid, win * t.probe // rps, _BIG)                    # (n,) owner
-    inv, d_own, d_hi, d_lo, occ = distinct_ids.distinct(x, lead, S)
-    owner = jnp.where(d_own != _BIG, d_own, S)
-    edges = jnp.searchsorted(owner, jnp.arange(S + 1, dtype=jnp.int32)).astype(jnp.int32)
-    out.append(((inv, d_hi, d_lo, occ, owner), edges))
-  return out
+def _owners(plan, t, x):
+  """Requester side: its distinct ids (`distinct` grouped by owner), the owner of each (S:
+  padding) and where each owner's run starts in them (S + 1 edges)."""
+  rps, S = plan.buffers[plan.buffer_of[t.name]].local_rows, plan.num_shards
+  valid = x[:, 0] >= 0
+  win = window_of(x[:, 0], jnp.where(valid, x[:, 1], 0), t.rows // t.probe)
+  lead = jnp.where(valid, win * t.probe // rps, _BIG)                      # (n,) owner
+  inv, d_own, d_hi, d_lo, occ = distinct_ids.distinct(x, lead, S)
+  owner = jnp.where(d_own != _BIG, d_own, S)
+  edges = jnp.searchsorted(owner, jnp.arange(S + 1, dtype=jnp.int32)).astype(jnp.int32)
+  return (inv, d_hi, d_lo, occ, owner), edges
 
 
 def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
@@ -524,8 +521,8 @@ def _route_a2a(plan, ts, maps, xs, step, update, Cs, owned):
   once: one all_to_all of (S, sum C, 3) (table t's C per (device, owner) pair side by
   side), gathered over 'replica' (each owner sees its windows' ids of the whole batch),
   resolved (`_owner_resolve`, all tables in one call), rows sent back by one all_to_all of
-  (S, sum C, 2) (row, owner index) along the same routes. `owned`: `_owners(plan, ts, xs)`.
-  Returns [(rows (n,) of the device's distinct ids in `_owners` order (-1: none; `rows[inv]`
+  (S, sum C, 2) (row, owner index) along the same routes. `owned`: `_owners(plan, t, x)` per
+  table. Returns [(rows (n,) of the device's distinct ids in `_owners` order (-1: none; `rows[inv]`
   per id slot), counts, writes, fits, owner index (n,))] per table, the writes
   (`_owner_resolve`'s) over the R S C slots resolved.
     Example (S = 2, tables u with C = 3 and v with C = 2): device 0 sends owner 1 the
@@ -707,7 +704,7 @@ def _resolve_all(plan: EmbeddingPlan, ts, subs, xs, step, keys, update: bool):
     return finish(got, redo, invs, False)
   if not _by_owner(plan):
     return (*broadcast(subs), None, None, jnp.bool_(True))
-  owned = _owners(plan, ts, xs)
+  owned = [_owners(plan, t, x) for t, x in zip(ts, xs)]
   caps = [_capacity(plan, t, x) for t, x in zip(ts, xs)]
   runs = jnp.stack([jnp.diff(e) for _, e in owned])                        # (T, S) my owner runs
   if plan.rw_exchange == "ragged":   # what each owner of my group receives, against M
