@@ -5,26 +5,30 @@ The loader reads LD_PRELOAD and glibc its tunables (GLIBC_TUNABLES) at process s
 `use_host_malloc` re-executes the script once with them set; what the caller's environment
 already names is left as it is (its value wins: an opt-out or a different choice).
 
-jemalloc on request. A long run saves checkpoints from a thread pool and evaluates every few
-minutes; glibc's per-thread arenas keep freed pages of those bursts and its RSS creeps up
-(soak of docs/RELIABILITY.md: 19.6 MB/h over 130 minutes with the heap in use flat).
-GEM_JAX_MALLOC=jemalloc preloads libjemalloc.so.2 (an error where the dynamic loader does not
-find it; Debian/Ubuntu: libjemalloc2), =auto where found; the default is glibc's malloc. Not
-the default because no setting measured so far is both fast and flat (docs/RELIABILITY.md,
-"Soak run", 2026-12-07): jemalloc without huge pages kept RSS flat over 120 minutes but ran
-dlrm_peer 35 % slower (its tables' row reads miss the TLB); with them it is as fast as glibc,
-but its RSS grew 20-29 MB/h (its huge pages: AnonHugePages +35 MB/h). A long run whose host
-holds no large tables (tables in GPU memory) keeps RSS flat with GEM_JAX_MALLOC=jemalloc
-MALLOC_CONF=thp:never. A LD_PRELOAD already set is kept as it is.
-
-Transparent huge pages for host memory. Random row reads into a table of hundreds of MB
-miss the TLB on nearly every access with 4 KiB pages. On machines whose THP mode is
-'madvise' a malloc must ask for them: glibc >= 2.35 does for its large blocks with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1, jemalloc with MALLOC_CONF=thp:always. Measured
-(docs/PERFORMANCE.md): dlrm_peer step 50 -> 41 ms; the embedding benchmark's hashed 10^7-row
-step (one device) 36-38 ms under glibc with huge pages, 54 ms under jemalloc without them,
-34 ms with them. GLIBC_TUNABLES=glibc.malloc.hugetlb=0 turns them off under either. No
-effect on GPU/TPU tables, which live in HBM.
+The malloc: GEM_JAX_MALLOC=auto (the default) preloads jemalloc where the dynamic loader finds
+libjemalloc.so.2 (Debian/Ubuntu: libjemalloc2) and keeps glibc's malloc where not; =jemalloc
+insists (an error without it), =glibc keeps glibc's. Why (docs/RELIABILITY.md, "Soak run";
+docs/PERFORMANCE.md, "The host malloc"):
+  * RSS. A long run saves checkpoints from a thread pool and evaluates every few minutes;
+    glibc's per-thread arenas keep freed pages of those bursts and RSS creeps up (19.6 MB/h
+    over 130 minutes, the heap in use flat). Under jemalloc it stays flat.
+  * Page faults. XLA's CPU runtime allocates a step's temporaries (gathered rows, gradients,
+    the ids' sort buffers) anew each step. glibc unmaps blocks above 32 MB when freed, and
+    jemalloc returns freed pages to the OS gradually (its dirty-page decay, and at once for
+    blocks above 8 MB): the next step faults them in again, 4 KiB at a time. Measured
+    (docs/PERFORMANCE.md), the embedding benchmark's hashed step: under jemalloc's defaults
+    2x glibc's time on the simulated 1 x 8 mesh (4x the page faults) and 1.2-1.6x on one
+    device at 10^7 rows; with MALLOC_CONF=dirty_decay_ms:-1 (freed pages kept until
+    `release_free_heap`, which the checkpoint writer calls after each save) as fast as
+    glibc or faster, with glibc's page-fault count.
+So jemalloc runs with MALLOC_CONF=dirty_decay_ms:-1 (unless MALLOC_CONF names it) and
+without transparent huge pages; glibc with huge pages for its large blocks
+(GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35, on machines whose THP mode is
+'madvise'): 2 MiB faults instead of 4 KiB ones, at the cost of the RSS creep above (huge
+pages that khugepaged fills again once partly freed). GLIBC_TUNABLES=glibc.malloc.hugetlb=0
+turns them off; MALLOC_CONF=thp:always asks jemalloc for them (measured: RSS +29 MB/h).
+Backing only the tables with huge pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE on their
+buffers) was measured and dropped: no gain (the temporaries' faults were the cost).
 
 Call `use_host_malloc` first thing in a script's `__main__`, before importing jax.
 Other glibc tunables (e.g. `glibc.malloc.arena_max=2`, tried in the soak runs of
@@ -56,8 +60,9 @@ def use_malloc_tunables(tunables: dict[str, int]) -> None:
   os.execv(sys.executable, [sys.executable] + sys.argv)
 
 
-MALLOC = "GEM_JAX_MALLOC"     # glibc (default) | jemalloc | auto: jemalloc where found
+MALLOC = "GEM_JAX_MALLOC"     # auto (default): jemalloc where found | jemalloc | glibc
 JEMALLOC_THP = "thp:always"
+JEMALLOC_CONF = "dirty_decay_ms:-1"   # freed pages kept for reuse until release_free_heap
 
 
 def jemalloc_library() -> str | None:
@@ -75,17 +80,16 @@ def _tunables(environ) -> dict[str, str]:
 def host_malloc_env(environ, huge_pages: bool, jemalloc: str | None) -> dict[str, str]:
   """The variables `use_host_malloc` sets (those that change), given the environment and
   jemalloc's soname (None: not installed). Raises SystemExit on a bad GEM_JAX_MALLOC.
-    Example: {GEM_JAX_MALLOC: 'auto'}, huge pages, 'libjemalloc.so.2' -> {GLIBC_TUNABLES:
-    'glibc.malloc.hugetlb=1', LD_PRELOAD: 'libjemalloc.so.2', MALLOC_CONF: 'thp:always'}; run
-    again with those set: {}."""
-  choice = environ.get(MALLOC, "glibc")
+    Example: {}, huge pages, 'libjemalloc.so.2' -> {GLIBC_TUNABLES: 'glibc.malloc.hugetlb=1',
+    LD_PRELOAD: 'libjemalloc.so.2', MALLOC_CONF: 'dirty_decay_ms:-1'}; run again with
+    those set: {}. The same without jemalloc: {GLIBC_TUNABLES: 'glibc.malloc.hugetlb=1'}."""
+  choice = environ.get(MALLOC, "auto")
   if choice not in ("auto", "jemalloc", "glibc"):
-    raise SystemExit(f"{MALLOC}={choice!r}: expected glibc, jemalloc or auto")
+    raise SystemExit(f"{MALLOC}={choice!r}: expected auto, jemalloc or glibc")
   out, tunables = {}, _tunables(environ)
   if huge_pages and TUNABLE not in tunables:
     current = environ.get("GLIBC_TUNABLES", "")
     out["GLIBC_TUNABLES"] = ":".join([current] * bool(current) + [f"{TUNABLE}=1"])
-  huge = huge_pages and tunables.get(TUNABLE, "1") != "0"
   preload = environ.get("LD_PRELOAD", "")
   if choice == "jemalloc" and jemalloc is None:
     raise SystemExit(f"{MALLOC}=jemalloc: the dynamic loader finds no libjemalloc.so.2 "
@@ -94,18 +98,18 @@ def host_malloc_env(environ, huge_pages: bool, jemalloc: str | None) -> dict[str
       choice == "jemalloc" or not preload):
     out["LD_PRELOAD"] = " ".join([jemalloc] + [preload] * bool(preload))
   conf = environ.get("MALLOC_CONF", "")
-  if huge and (out.get("LD_PRELOAD") or "jemalloc" in preload) and "thp:" not in conf:
-    out["MALLOC_CONF"] = ",".join([conf] * bool(conf) + [JEMALLOC_THP])
+  if (out.get("LD_PRELOAD") or "jemalloc" in preload) and "dirty_decay_ms" not in conf:
+    out["MALLOC_CONF"] = ",".join([conf] * bool(conf) + [JEMALLOC_CONF])
   return out
 
 
 def use_host_malloc(huge_pages: bool = True) -> None:
-  """Re-executes the running script once with its host malloc set up (module doc): glibc's or,
-  on request, jemalloc; huge pages for large blocks unless `huge_pages` is False. Nothing to
-  change: no re-exec; not Linux: nothing."""
+  """Re-executes the running script once with its host malloc set up (module doc): jemalloc
+  where found, else glibc's with huge pages for its large blocks (unless `huge_pages` is
+  False). Nothing to change: no re-exec; not Linux: nothing."""
   if not sys.platform.startswith("linux"):
     return
-  wanted = os.environ.get(MALLOC, "glibc") != "glibc"   # no library lookup for the default
+  wanted = os.environ.get(MALLOC, "auto") != "glibc"   # no library lookup where not wanted
   changes = host_malloc_env(os.environ, huge_pages, jemalloc_library() if wanted else None)
   if changes:
     os.environ.update(changes)
@@ -196,21 +200,41 @@ def _libc_malloc_trim():
   return _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
-def release_free_heap() -> bool:
-  """Returns the free pages of every malloc arena to the OS (glibc `malloc_trim(0)`).
+@functools.cache
+def _jemalloc_mallctl():
+  """jemalloc's mallctl where jemalloc serves this process (preloaded), else None."""
+  if _own_allocator() != "jemalloc":
+    return None
+  try:
+    fn = ctypes.CDLL(None).mallctl
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                 ctypes.c_size_t]
+  fn.restype = ctypes.c_int
+  return fn
 
-  glibc keeps memory freed inside its heaps (not at their top) mapped, so a process
-  that allocates and frees large host buffers from several threads ratchets up its
-  RSS: the asynchronous checkpoint writer copies the state to host buffers on every
-  save, from a thread pool. Measured (docs/RELIABILITY.md, soak): one call after each
-  finished save took the soak's RSS slope from 188 to 102 MB/h and a bare save loop's
-  growth to ~0 (what glibc still retains in its arenas after that, ~20 MB/h, goes away
-  under jemalloc: docs/RELIABILITY.md). Cost (measured on a 1 GB heap of 100 KB blocks):
-  6 ms with nothing to give back, 80 ms giving back 460 MB. False (nothing done) where
-  glibc's malloc does not serve the process (another libc, jemalloc preloaded).
+
+def release_free_heap() -> bool:
+  """Returns the malloc's freed pages to the OS: glibc `malloc_trim(0)`, jemalloc
+  `mallctl("arena.<all>.purge")`. True where done.
+
+  glibc keeps memory freed inside its heaps (not at their top) mapped, and jemalloc, as
+  `use_host_malloc` sets it up, all its freed pages (so that the next step reuses them
+  without page faults). A process that allocates and frees large host buffers from several
+  threads then ratchets up its RSS: the asynchronous checkpoint writer copies the state to
+  host buffers on every save, from a thread pool, and calls this after each. Measured
+  (docs/RELIABILITY.md, soak): under glibc one call after each finished save took the soak's
+  RSS slope from 188 to 102 MB/h and a bare save loop's growth to ~0; what glibc still
+  retains in its arenas after that (~20 MB/h) jemalloc does not. Cost (glibc, measured on a
+  1 GB heap of 100 KB blocks): 6 ms with nothing to give back, 80 ms giving back 460 MB.
+  False (nothing done) under another malloc or libc.
   """
+  mallctl = _jemalloc_mallctl()
+  if mallctl is not None:
+    return mallctl(b"arena.4096.purge", None, None, None, 0) == 0  # 4096: MALLCTL_ARENAS_ALL
   trim = _libc_malloc_trim()
-  if trim is None or _own_allocator() != "glibc":   # another malloc returns its own pages
+  if trim is None or _own_allocator() != "glibc":
     return False
   trim(0)
   return True

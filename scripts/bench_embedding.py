@@ -46,9 +46,9 @@ the batch's distinct ids that were hits, inserts, evictions), so sizes are compa
 the same regime.
 
 Host memory: the script re-executes itself under the trainer's host malloc
-(`hostmem.use_host_malloc`) asking for transparent huge pages for large
-buffers (on machines whose THP mode is 'madvise'); random row accesses into a multi-GB
-table then miss the TLB far less often. `--no-hugepages` keeps 4 KiB pages (to compare).
+(`hostmem.use_host_malloc`): jemalloc where installed, its freed pages kept for the next
+step (no page faults on the step's temporaries), else glibc's with transparent huge
+pages for large blocks. `--no-hugepages` keeps glibc's 4 KiB pages (to compare).
 """
 from __future__ import annotations
 

@@ -76,9 +76,9 @@ def parse_args(argv=None):
   p.add_argument("--peer-autocast", choices=["auto", "bf16", "off"], default="auto",
                  help="peer precision; auto: gem_jax's (bf16/fp8 compute -> bf16, fp32 -> off)")
   p.add_argument("--no-hugepages", action="store_true",
-                 help="keep 4 KiB host pages (default: the script re-executes itself "
-                      "asking its malloc (GEM_JAX_MALLOC) for huge pages; the "
-                      "peer inherits both: gem_jax/hostmem.py)")
+                 help="under glibc's malloc, keep 4 KiB host pages (default: the script "
+                      "re-executes itself under its host malloc (GEM_JAX_MALLOC), glibc's "
+                      "asked for huge pages; the peer inherits it: gem_jax/hostmem.py)")
   return p.parse_args(argv)
 
 

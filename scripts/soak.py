@@ -110,7 +110,7 @@ def trainer_cmd(args, workdir: str, cache: str, stop_at: int = 0) -> list[str]:
 def trainer_env(glibc_tunables: str = "", preload: str = "", malloc: str = "") -> dict:
   """The trainer's environment: CPU, 8 devices, GLIBC_TUNABLES as given (empty: the
   trainer's own, malloc huge pages: `hostmem.use_host_malloc`), GEM_JAX_MALLOC = `malloc`
-  (empty: the trainer's own choice, glibc's), LD_PRELOAD = `preload` (another
+  (empty: the trainer's own choice, auto: jemalloc where found), LD_PRELOAD = `preload` (another
   malloc, e.g. libtcmalloc.so.4; empty: none of the harness's own)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
                  help="GLIBC_TUNABLES for the trainer instead of its own (hugetlb=1), e.g. "
                       "'glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2'")
   p.add_argument("--malloc", choices=["auto", "jemalloc", "glibc"], default="",
-                 help="the trainer's GEM_JAX_MALLOC (default: its own, glibc's malloc; "
+                 help="the trainer's GEM_JAX_MALLOC (default: its own, auto: jemalloc where found; "
                       "gem_jax/hostmem.py)")
   p.add_argument("--preload", default="",
                  help="another malloc library for the trainer (LD_PRELOAD), e.g. "

@@ -53,38 +53,39 @@ def test_opt_out_is_respected(tmp_path):
 
 @pytest.mark.skipif(hostmem.jemalloc_library() is None,
                     reason="libjemalloc.so.2 not installed (Debian/Ubuntu: libjemalloc2)")
-def test_jemalloc_preloaded_on_request(tmp_path):
-  """GEM_JAX_MALLOC=auto re-executes once under jemalloc with its huge pages asked for; the
-  default stays on glibc's malloc."""
-  lines = _run(tmp_path, malloc="auto")
+def test_jemalloc_preloaded_where_found(tmp_path):
+  """The default (auto) re-executes once under jemalloc, its freed pages kept;
+  GEM_JAX_MALLOC=glibc keeps glibc's malloc."""
+  lines = _run(tmp_path, malloc=None)
   starts = [l for l in lines if l.startswith("start")]
   assert len(starts) == 2 and len({s.split()[1] for s in starts}) == 1
-  assert lines[-2] == "tunables glibc.malloc.hugetlb=1 True"
-  assert lines[-1] == "malloc jemalloc thp:always"
-  lines = _run(tmp_path, "glibc.malloc.hugetlb=0", malloc="auto")   # huge pages off: no thp
-  assert lines[-2:] == ["tunables glibc.malloc.hugetlb=0 False", "malloc jemalloc"]
-  assert _run(tmp_path, malloc=None)[-1] == "malloc glibc"
+  assert lines[-2] == "tunables glibc.malloc.hugetlb=1 False"   # glibc's tunable, unused
+  assert lines[-1] == "malloc jemalloc dirty_decay_ms:-1"
+  lines = _run(tmp_path, malloc="glibc")
+  assert lines[-2:] == ["tunables glibc.malloc.hugetlb=1 True", "malloc glibc"]
 
 
 JE = "libjemalloc.so.2"
 HUGE = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 AUTO, JEM = {"GEM_JAX_MALLOC": "auto"}, {"GEM_JAX_MALLOC": "jemalloc"}
+DECAY = {"MALLOC_CONF": "dirty_decay_ms:-1"}
 
 
 @pytest.mark.parametrize("environ, huge, jemalloc, changes", [
-    ({}, True, JE, HUGE),                                            # default: glibc
-    (AUTO, True, JE, {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}),
-    ({**AUTO, **HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "thp:always"}, True, JE, {}),  # re-exec'd
-    (AUTO, True, None, HUGE),                                        # auto, none: glibc
-    (AUTO, False, JE, {"LD_PRELOAD": JE}),                           # 4 KiB pages
-    ({**AUTO, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, True, JE, {"LD_PRELOAD": JE}),
+    ({}, True, JE, {**HUGE, "LD_PRELOAD": JE, **DECAY}),          # default: auto
+    (AUTO, True, JE, {**HUGE, "LD_PRELOAD": JE, **DECAY}),
+    ({**AUTO, **HUGE, "LD_PRELOAD": JE, **DECAY}, True, JE, {}),  # re-exec'd
+    ({}, True, None, HUGE),                                          # none found: glibc
+    (AUTO, False, JE, {"LD_PRELOAD": JE, **DECAY}),               # 4 KiB pages
     ({"GEM_JAX_MALLOC": "glibc"}, True, JE, HUGE),
+    ({"GEM_JAX_MALLOC": "glibc"}, False, JE, {}),
     ({**AUTO, "LD_PRELOAD": "/opt/libmine.so"}, True, JE, HUGE),     # the caller's preload kept
     ({**JEM, "LD_PRELOAD": "/opt/libmine.so"}, True, JE,
-     {**HUGE, "LD_PRELOAD": JE + " /opt/libmine.so", "MALLOC_CONF": "thp:always"}),
+     {**HUGE, "LD_PRELOAD": JE + " /opt/libmine.so", **DECAY}),
     ({**JEM, "MALLOC_CONF": "narenas:4"}, True, JE,
-     {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "narenas:4,thp:always"}),
-    ({**JEM, "MALLOC_CONF": "thp:never"}, True, JE, {**HUGE, "LD_PRELOAD": JE}),  # caller's thp
+     {**HUGE, "LD_PRELOAD": JE, "MALLOC_CONF": "narenas:4,dirty_decay_ms:-1"}),
+    ({**JEM, "MALLOC_CONF": "dirty_decay_ms:5000"}, True, JE,   # the caller's value
+     {**HUGE, "LD_PRELOAD": JE}),
     ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, True, None,
      {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}),
 ])
@@ -93,7 +94,7 @@ def test_host_malloc_env(environ, huge, jemalloc, changes):
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"GEM_JAX_MALLOC": "tcmalloc"}, "GEM_JAX_MALLOC='tcmalloc': expected glibc, jemalloc or auto"),
+    ({"GEM_JAX_MALLOC": "tcmalloc"}, "GEM_JAX_MALLOC='tcmalloc': expected auto, jemalloc or glibc"),
     ({"GEM_JAX_MALLOC": "jemalloc"}, "GEM_JAX_MALLOC=jemalloc: the dynamic loader finds no "
                                       "libjemalloc.so.2")])
 def test_host_malloc_env_errors(environ, message):
@@ -132,12 +133,19 @@ print(held, hostmem.release_free_heap(), anon_mb())
 """
 
 
-@pytest.mark.skipif(hostmem._libc_malloc_trim() is None, reason="needs glibc's malloc_trim")
-def test_release_free_heap_returns_freed_holes(tmp_path):
-  """200 MB freed inside the heap stay resident until release_free_heap gives them back."""
+@pytest.mark.parametrize("malloc", ["glibc", "jemalloc"])
+def test_release_free_heap_returns_freed_holes(tmp_path, malloc):
+  """200 MB freed inside the heap stay resident until release_free_heap gives them back,
+  under glibc's malloc and under jemalloc as use_host_malloc sets it up."""
+  if malloc == "glibc" and hostmem._libc_malloc_trim() is None:
+    pytest.skip("needs glibc's malloc_trim")
+  if malloc == "jemalloc" and hostmem.jemalloc_library() is None:
+    pytest.skip("libjemalloc.so.2 not installed (Debian/Ubuntu: libjemalloc2)")
   path = tmp_path / "holes.py"
   path.write_text(HOLES.format(root=ROOT))
-  env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX")}
+  env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS + ("MALLOC_ARENA_MAX",)}
+  env.update(hostmem.host_malloc_env({hostmem.MALLOC: malloc}, False,
+                                     hostmem.jemalloc_library()))
   out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
                        timeout=60, check=True).stdout.split()
   held, released, after = float(out[0]), out[1], float(out[2])
@@ -253,3 +261,4 @@ def test_allocator_from_the_mapped_libraries():
   if os.path.exists("/proc/self/maps") and "LD_PRELOAD" not in os.environ:
     assert hostmem.allocator() == "glibc"
   assert hostmem.allocator(pid=2**30) == "unknown"   # no such process
+

@@ -17,6 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import soak  # noqa: E402  pylint: disable=wrong-import-position
+from gem_jax import hostmem  # noqa: E402  pylint: disable=wrong-import-position
 
 @pytest.mark.slow  # minutes of real training runs
 def test_soak_short(tmp_path):
@@ -33,7 +34,8 @@ def test_soak_short(tmp_path):
     assert math.isfinite(out[k]), k
   assert set(out) >= {"pass", "failed", "cache_growth_after_warmup_bytes", "load_avg"}
   if sys.platform.startswith("linux"):
-    assert out["allocator"] == "glibc"   # the trainer's own, no --malloc or --preload
+    own = "jemalloc" if hostmem.jemalloc_library() else "glibc"   # the trainer's default: auto
+    assert out["allocator"] == own   # the trainer's own, no --malloc or --preload
 
 
 def test_trainer_env_preloads_a_named_malloc(tmp_path, monkeypatch):
