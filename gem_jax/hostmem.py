@@ -17,7 +17,7 @@ docs/PERFORMANCE.md, "The host malloc"):
     jemalloc returns freed pages to the OS gradually (its dirty-page decay, and at once for
     blocks above 8 MB): the next step faults them in again, 4 KiB at a time. Measured
     (docs/PERFORMANCE.md), the embedding benchmark's hashed step: under jemalloc's defaults
-    2x glibc's time on the simulated 1 x 8 mesh (4x the page faults) and 1.2-1.6x on one
+    2x glibc's time on the simulated 1 x 8 mesh (4x the page faults) and 1.1-1.7x on one
     device at 10^7 rows; with MALLOC_CONF=dirty_decay_ms:-1 (freed pages kept until
     `release_free_heap`, which the checkpoint writer calls after each save) as fast as
     glibc or faster, with glibc's page-fault count.
