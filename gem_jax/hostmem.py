@@ -8,7 +8,7 @@ already names is left as it is (its value wins: an opt-out or a different choice
 The malloc: GEM_JAX_MALLOC=auto (the default) preloads jemalloc where the dynamic loader finds
 libjemalloc.so.2 (Debian/Ubuntu: libjemalloc2) and keeps glibc's malloc where not; =jemalloc
 insists (an error without it), =glibc keeps glibc's. Why (docs/RELIABILITY.md, "Soak run";
-docs/PERFORMANCE.md, "The host malloc"):
+docs/PERFORMANCE.md, "Embedding engine", item 4):
   * RSS. A long run saves checkpoints from a thread pool and evaluates every few minutes;
     glibc's per-thread arenas keep freed pages of those bursts and RSS creeps up (19.6 MB/h
     over 130 minutes, the heap in use flat). Under jemalloc it stays flat.
