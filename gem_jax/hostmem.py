@@ -274,6 +274,25 @@ def allocator(pid: int | str = "self") -> str:
     return "unknown"
 
 
+def malloc_summary(serving: str | None = None, environ=None) -> tuple[str, bool]:
+  """(one line naming the host malloc serving this process, whether it is a warning). A
+  warning where glibc serves a Linux process that asked for jemalloc by default
+  (GEM_JAX_MALLOC=auto) and found none: glibc's arenas make a long run's RSS creep.
+  `serving`: `allocator()` (default: this process's); `environ`: os.environ.
+    Example: 'glibc', {} -> ('host malloc: glibc (libjemalloc.so.2 not found; ...)', True)."""
+  serving = serving or _own_allocator()
+  environ = os.environ if environ is None else environ
+  if serving == "jemalloc":
+    return f"host malloc: jemalloc (MALLOC_CONF={environ.get('MALLOC_CONF', '')})", False
+  huge = " with huge pages" if TUNABLE + "=1" in environ.get("GLIBC_TUNABLES", "") else ""
+  if serving == "glibc" and environ.get(MALLOC, "auto") == "auto" and (
+      sys.platform.startswith("linux")):
+    return (f"host malloc: glibc{huge} (libjemalloc.so.2 not found: a long run's host RSS "
+            "creeps, ~20 MB/h measured (docs/RELIABILITY.md, soak); Debian/Ubuntu: apt "
+            "install libjemalloc2, or GEM_JAX_MALLOC=glibc to choose glibc)"), True
+  return f"host malloc: {serving}{huge}", False
+
+
 def host_memory_mb() -> dict[str, float]:
   """This process's host memory (MB): what the OS holds and what malloc has handed out.
 

@@ -262,3 +262,18 @@ def test_allocator_from_the_mapped_libraries():
     assert hostmem.allocator() == "glibc"
   assert hostmem.allocator(pid=2**30) == "unknown"   # no such process
 
+
+
+@pytest.mark.parametrize("serving, env, warn, text", [
+    ("jemalloc", {"MALLOC_CONF": "dirty_decay_ms:-1"}, False, "jemalloc (MALLOC_CONF=dirty"),
+    ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, True, "libjemalloc.so.2 not found"),
+    ("glibc", {hostmem.MALLOC: "auto"}, True, "apt install libjemalloc2"),
+    ("glibc", {hostmem.MALLOC: "glibc"}, False, "host malloc: glibc"),
+    ("tcmalloc", {"LD_PRELOAD": "libtcmalloc.so"}, False, "host malloc: tcmalloc"),
+])
+def test_malloc_summary_warns_only_where_jemalloc_was_wanted_and_missing(
+    serving, env, warn, text, monkeypatch):
+  monkeypatch.setattr(sys, "platform", "linux")
+  line, warned = hostmem.malloc_summary(serving, env)
+  assert warned == warn and text in line
+  assert ("huge pages" in line) == ("hugetlb=1" in env.get("GLIBC_TUNABLES", ""))

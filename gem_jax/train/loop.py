@@ -112,6 +112,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   if jax.process_index() == 0:
     logging.info("mesh %s on %d %s devices\n%s", dict(s.mesh.shape), jax.device_count(),
                  jax.default_backend(), s.plan.describe())
+    malloc_line, warn = hostmem.malloc_summary()
+    (logging.warning if warn else logging.info)(malloc_line)
   os.makedirs(workdir, exist_ok=True)
   writer = report.MetricWriter(workdir)
   ckpt = ckpt_lib.CheckpointManager(
