@@ -183,16 +183,22 @@ def simulate_cpu_devices(n: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def _libc_function(name: str, argtypes: list, restype):
-  """glibc's function `name` with its signature set, or None (another libc, not Linux)."""
+def _c_function(library: str | None, name: str, argtypes: list, restype):
+  """C function `name` of `library` (None: the process's global symbols, where a preloaded
+  malloc's come first) with its signature set, or None (not found, not Linux)."""
   if not sys.platform.startswith("linux"):
     return None
   try:
-    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    fn = getattr(ctypes.CDLL(library), name)
   except (OSError, AttributeError):
     return None
   fn.argtypes, fn.restype = argtypes, restype
   return fn
+
+
+def _libc_function(name: str, argtypes: list, restype):
+  """glibc's function `name` with its signature set, or None (another libc, not Linux)."""
+  return _c_function(ctypes.util.find_library("c") or "libc.so.6", name, argtypes, restype)
 
 
 @functools.cache
@@ -205,14 +211,8 @@ def _jemalloc_mallctl():
   """jemalloc's mallctl where jemalloc serves this process (preloaded), else None."""
   if _own_allocator() != "jemalloc":
     return None
-  try:
-    fn = ctypes.CDLL(None).mallctl
-  except (OSError, AttributeError):
-    return None
-  fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                 ctypes.c_size_t]
-  fn.restype = ctypes.c_int
-  return fn
+  return _c_function(None, "mallctl", [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 
 
 def release_free_heap() -> bool:
