@@ -279,7 +279,8 @@ def malloc_summary(serving: str | None = None, environ=None) -> tuple[str, bool]
   warning where glibc serves a Linux process that asked for jemalloc by default
   (GEM_JAX_MALLOC=auto) and found none: glibc's arenas make a long run's RSS creep.
   `serving`: `allocator()` (default: this process's); `environ`: os.environ.
-    Example: 'glibc', {} -> ('host malloc: glibc (libjemalloc.so.2 not found; ...)', True)."""
+    Example: 'glibc', {}, no jemalloc installed -> ('host malloc: glibc (libjemalloc.so.2
+    not found; ...)', True)."""
   serving = serving or _own_allocator()
   environ = os.environ if environ is None else environ
   if serving == "jemalloc":
@@ -287,9 +288,13 @@ def malloc_summary(serving: str | None = None, environ=None) -> tuple[str, bool]
   huge = " with huge pages" if TUNABLE + "=1" in environ.get("GLIBC_TUNABLES", "") else ""
   if serving == "glibc" and environ.get(MALLOC, "auto") == "auto" and (
       sys.platform.startswith("linux")):
-    return (f"host malloc: glibc{huge} (libjemalloc.so.2 not found: a long run's host RSS "
-            "creeps, ~20 MB/h measured (docs/RELIABILITY.md, soak); Debian/Ubuntu: apt "
-            "install libjemalloc2, or GEM_JAX_MALLOC=glibc to choose glibc)"), True
+    lib = jemalloc_library()
+    why = ("libjemalloc.so.2 not found; Debian/Ubuntu: apt install libjemalloc2" if lib is None
+           else f"{lib} is installed but not preloaded: the scripts re-execute under it "
+                "(hostmem.use_host_malloc), a program of your own can set LD_PRELOAD")
+    return (f"host malloc: glibc{huge} ({why}; under glibc a long run's host RSS creeps, "
+            "~20 MB/h measured: docs/RELIABILITY.md, soak; GEM_JAX_MALLOC=glibc chooses "
+            "glibc)"), True
   return f"host malloc: {serving}{huge}", False
 
 

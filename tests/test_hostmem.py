@@ -264,16 +264,22 @@ def test_allocator_from_the_mapped_libraries():
 
 
 
-@pytest.mark.parametrize("serving, env, warn, text", [
-    ("jemalloc", {"MALLOC_CONF": "dirty_decay_ms:-1"}, False, "jemalloc (MALLOC_CONF=dirty"),
-    ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, True, "libjemalloc.so.2 not found"),
-    ("glibc", {hostmem.MALLOC: "auto"}, True, "apt install libjemalloc2"),
-    ("glibc", {hostmem.MALLOC: "glibc"}, False, "host malloc: glibc"),
-    ("tcmalloc", {"LD_PRELOAD": "libtcmalloc.so"}, False, "host malloc: tcmalloc"),
+@pytest.mark.parametrize("serving, env, installed, warn, text", [
+    ("jemalloc", {"MALLOC_CONF": "dirty_decay_ms:-1"}, True, False, "jemalloc (MALLOC_CONF=dirty"),
+    ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, False, True,
+     "libjemalloc.so.2 not found"),
+    ("glibc", {hostmem.MALLOC: "auto"}, False, True, "apt install libjemalloc2"),
+    ("glibc", {}, True, True, "libjemalloc.so.2 is installed but not preloaded"),
+    ("glibc", {hostmem.MALLOC: "glibc"}, True, False, "host malloc: glibc"),
+    ("tcmalloc", {"LD_PRELOAD": "libtcmalloc.so"}, False, False, "host malloc: tcmalloc"),
 ])
 def test_malloc_summary_warns_only_where_jemalloc_was_wanted_and_missing(
-    serving, env, warn, text, monkeypatch):
+    serving, env, installed, warn, text, monkeypatch):
+  """The trainer's first log lines name the malloc; a warning where the default (auto)
+  runs on glibc, saying whether jemalloc is missing or only not preloaded."""
   monkeypatch.setattr(sys, "platform", "linux")
+  monkeypatch.setattr(hostmem, "jemalloc_library",
+                      lambda: "libjemalloc.so.2" if installed else None)
   line, warned = hostmem.malloc_summary(serving, env)
   assert warned == warn and text in line
   assert ("huge pages" in line) == ("hugetlb=1" in env.get("GLIBC_TUNABLES", ""))
