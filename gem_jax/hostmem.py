@@ -30,7 +30,9 @@ turns them off; MALLOC_CONF=thp:always asks jemalloc for them (measured: RSS +29
 Backing only the tables with huge pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE on their
 buffers) was measured and dropped: no gain (the temporaries' faults were the cost).
 
-Call `use_host_malloc` first thing in a script's `__main__`, before importing jax.
+Call `use_host_malloc` first thing in a script's `__main__`, before importing jax. The trainer
+logs `malloc_summary()` at start: the malloc serving it, as a warning where the default
+ended on glibc.
 Other glibc tunables (e.g. `glibc.malloc.arena_max=2`, tried in the soak runs of
 docs/RELIABILITY.md) are set with `use_malloc_tunables`, or from the environment.
 """
