@@ -263,7 +263,6 @@ def test_allocator_from_the_mapped_libraries():
   assert hostmem.allocator(pid=2**30) == "unknown"   # no such process
 
 
-
 @pytest.mark.parametrize("serving, env, installed, warn, text", [
     ("jemalloc", {"MALLOC_CONF": "dirty_decay_ms:-1"}, True, False, "jemalloc (MALLOC_CONF=dirty"),
     ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, False, True,

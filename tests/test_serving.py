@@ -94,7 +94,8 @@ def test_exported_logits_match_the_eval_step(name, changes, tmp_path):
     state = state.replace(emb=emb)
     model = predict.Model(s, state, 0)
   sh = jax.tree.map(lambda x: x.sharding, dev)
-  ref = jax.device_get(predict.forward_fn(model, sh)(state, dev))["logits"]
+  forward = predict.forward_fn(model, sh)
+  ref = jax.device_get(forward(state, dev))["logits"]
   acc = jax.device_get(evaluate.jit_eval_step(s.eval_cfg, s.shardings, sh)(state, dev))
   export.export_artifact(model, str(tmp_path / "art"))
   got = load(str(tmp_path / "art")).outputs(batch)
@@ -105,7 +106,7 @@ def test_exported_logits_match_the_eval_step(name, changes, tmp_path):
   # here) move by 1.1-1.6e-6 when every parameter moves one ulp, and the two programs
   # differed by 1.2e-6 on one CPU and 2.3e-6 on another (DLRM 2.4e-7, DCNv2 3.6e-7).
   if name == "gem":
-    noise = _ulp_noise(predict.forward_fn(model, sh), state, dev, ref)
+    noise = _ulp_noise(forward, state, dev, ref)
     assert noise < 5e-6, noise            # the noise itself stays at fp32's scale
     bound = 2 * noise
   else:
