@@ -172,3 +172,43 @@ def test_lr_schedule_warmup_then_cosine():
                              rtol=1e-6)
   with pytest.raises(ValueError, match="decay"):
     lr_schedule(1.0, 10, decay="linear")
+
+
+def test_clip_by_global_norm_is_optax_clip_without_the_clipped_copy():
+  import optax
+  from gem_jax.train import optim
+  shapes = [(512, 256), (256,), (256, 64), (3, 5)]
+  rng = np.random.default_rng(0)
+  g = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  ours, theirs = optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+  for scale in (1e-4, 1.0, 30.0):            # ||g|| ~ 4e-2: kept as is; ~400, ~1.2e4: clipped
+    gs = [x * scale for x in g]
+    got, _ = ours.update(gs, ours.init(gs))
+    want, _ = theirs.update(gs, theirs.init(gs))
+    for a, b in zip(got, want):            # g * (c / n) against (g / n) * c: a few ulp
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-7, atol=0)
+    if scale == 1e-4:
+      assert all(np.array_equal(a, b) for a, b in zip(got, gs))
+  zero, _ = ours.update([jnp.zeros(3)], optax.EmptyState())
+  assert np.array_equal(zero[0], np.zeros(3))  # norm 0: scale 1, no NaN
+  bad, _ = ours.update([jnp.array([1.0, jnp.nan])], optax.EmptyState())
+  assert np.isnan(bad[0]).all()              # a NaN stays visible to the non-finite guard
+
+  # Same optimizer state (checkpoints unchanged); no gradient-sized temporary in
+  # clip + AdamW: optax's clipped copy is the whole of its compiled temp memory.
+  params = [jnp.zeros(s) for s in shapes]
+
+  def compiled(clip):
+    tx = optax.chain(clip(1.0), optax.adamw(1e-3))
+    step = lambda p, st, g_: (lambda u, st2: (optax.apply_updates(p, u), st2))(  # noqa: E731
+        *tx.update(g_, st, p))
+    state = tx.init(params)
+    return (jax.jit(step, donate_argnums=(0, 1)).lower(params, state, g).compile(),
+            jax.tree.structure(state))
+  (c_ours, s_ours), (c_theirs, s_theirs) = compiled(optim.clip_by_global_norm), compiled(
+      optax.clip_by_global_norm)
+  assert s_ours == s_theirs
+  grad_bytes = sum(x.nbytes for x in g)
+  temp_ours = c_ours.memory_analysis().temp_size_in_bytes
+  temp_theirs = c_theirs.memory_analysis().temp_size_in_bytes
+  assert temp_theirs >= grad_bytes and temp_ours < 0.05 * grad_bytes, (temp_ours, temp_theirs)

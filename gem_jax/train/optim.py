@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -36,6 +37,29 @@ def lr_schedule(lr: float, steps: int, warmup_steps: int = 0, decay: str = "cosi
     return after
   warm = optax.linear_schedule(0.0, lr, warmup_steps)
   return optax.join_schedules([warm, after], [warmup_steps])
+
+
+def global_norm(tree) -> jax.Array:
+  """sqrt(sum_i ||x_i||^2) over the leaves, fp32 (optax.global_norm is deprecated)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """g <- g * min(1, max_norm / ||g||_2): optax's clip, in one pass less over memory.
+
+  The same state (`optax.EmptyState`, so checkpoints do not change) and values to 1 ulp:
+  optax selects g or (g / ||g||) * max_norm, and XLA writes that clipped copy out
+  because its division is too dear to repeat in both Adam moments' fusions; a
+  multiply by one scalar is repeated instead, so each moment reads g directly.
+  `medium`'s 172 M dense parameters, clip + AdamW alone on one CPU device: 360 ->
+  220 ms (docs/PERFORMANCE.md). The norm is `global_norm`, the step's own
+  `grad_norm` metric, which XLA then computes once.
+  """
+  def update(updates, state, params=None):
+    del params
+    scale = jnp.minimum(1.0, max_norm / global_norm(updates))  # ||g|| = 0: 1; NaN: NaN
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def make_optimizer(name: str = "adamw", *, lr: float, steps: int, warmup_steps: int = 0,
@@ -60,7 +84,7 @@ def make_optimizer(name: str = "adamw", *, lr: float, steps: int, warmup_steps: 
   else:
     raise ValueError(f"optim.name={name!r}: expected 'adamw', 'sgd' or 'adagrad'")
   if clip_norm:
-    opt = optax.chain(optax.clip_by_global_norm(clip_norm), opt)
+    opt = optax.chain(clip_by_global_norm(clip_norm), opt)
   return opt, schedule
 
 

@@ -51,6 +51,7 @@ from gem_jax.data.spec import DataSpec
 from gem_jax.layers import dense, heads
 from gem_jax.parallel import sharding
 from gem_jax.train import nonfinite
+from gem_jax.train.optim import global_norm
 from gem_jax.train.state import TrainState
 
 
@@ -95,11 +96,6 @@ def model_inputs(spec: DataSpec, batch: dict, emb: dict) -> dict:
       "seq": seq,
       "domain": batch["domain"],  # (B,)
   }
-
-
-def global_norm(tree) -> jax.Array:
-  """sqrt(sum_i ||x_i||^2) over the leaves, fp32 (optax.global_norm is deprecated)."""
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def forward(model, spec: DataSpec, batch: dict, emb: dict) -> jax.Array:
