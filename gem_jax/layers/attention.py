@@ -390,7 +390,8 @@ class Attention(_Heads):
       raise ValueError("block_local attention has no packed-rows form (blocks would cross "
                        "segments): use mask 'full' or 'causal'")
     qkv = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim)  # (B, L, 3, H, dh)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, L, H, dh)
+    # split, not indexing: the backward is then one concatenate, not three padded copies summed
+    q, k, v = (jnp.squeeze(t, 2) for t in jnp.split(qkv, 3, axis=2))  # (B, L, H, dh)
     q, k = self._norm_qk(q, k)
     if self.rope:
       p = jnp.arange(L) if pos is None else pos
@@ -448,7 +449,7 @@ class CrossAttention(_Heads):
     Per token, so it may run on packed rows and be unpacked afterwards."""
     B, L, _ = kv.shape
     kvh = self.kv_proj(kv).reshape(B, L, 2, self.num_heads, self.head_dim)  # (B, L, 2, H, dh)
-    kh, vh = kvh[:, :, 0], kvh[:, :, 1]  # (B, L, H, dh)
+    kh, vh = (jnp.squeeze(t, 2) for t in jnp.split(kvh, 2, axis=2))  # (B, L, H, dh); as above
     return (kh if self.k_norm is None else self.k_norm(kh)), vh
 
   def attend(self, q: jax.Array, kh: jax.Array, vh: jax.Array, kv_valid: jax.Array,
