@@ -234,3 +234,19 @@ def test_attention_flops_match_xla(mask):
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   want = attention_flops(n, d, mask=mask, block_size=64)
   assert abs(cost["flops"] / want - 1) < 0.10, (cost["flops"], want)
+
+
+def test_backward_of_the_fused_projections_writes_no_padded_copies():
+  """q, k, v leave the fused projection by a split: its transpose is one concatenate;
+  indexing would transpose to a pad of the whole (B, L, 3, H, dh) cotangent per slice."""
+  x, _, _ = inputs(seed=5)
+  valid = jnp.ones((B, L), bool)
+  self_attn = Attention(D, H, rngs=nnx.Rngs(0))
+  cross = CrossAttention(D, H, rngs=nnx.Rngs(1))
+  q = x[:, :2] * 0.5  # cross attention's queries: not a slice of the differentiated x
+  cases = [(self_attn, lambda m, x: m(x, valid)), (cross, lambda m, x: m(q, x, valid))]
+  for m, fn in cases:
+    graphdef, params = nnx.split(m)
+    loss = lambda p, x: jnp.sum(fn(nnx.merge(graphdef, p), x))  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+    assert " pad[" not in jaxpr and "concatenate" in jaxpr, type(m).__name__
