@@ -238,7 +238,8 @@ class SequenceBranch(nnx.Module):
       u = self.hstu(u, valid, dt if self.hstu.time_bias is not None else None)  # (B, c + L, D)
     else:
       u = u + self.attn(self.attn_norm(u), valid, dt)  # (B, c + L, D)
-    return u[:, :c], u[:, c:]
+    s_cls, s_out = jnp.split(u, [c], axis=1)  # a split: its backward is one concatenate
+    return s_cls, s_out
 
   def summary(self, s_cls: jax.Array, s: jax.Array, valid: jax.Array) -> jax.Array:
     """S_sum,i = Gating(LN([S_CLS ; PMA(S) ; S_recent])) -> (B, c + p + r, D)."""
