@@ -51,8 +51,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   optax selects g or (g / ||g||) * max_norm, and XLA writes that clipped copy out
   because its division is too dear to repeat in both Adam moments' fusions; a
   multiply by one scalar is repeated instead, so each moment reads g directly.
-  `medium`'s 172 M dense parameters, clip + AdamW alone on one CPU device: 360 ->
-  220 ms (docs/PERFORMANCE.md). The norm is `global_norm`, the step's own
+  `medium`'s 172 M dense parameters, clip + AdamW alone on one CPU device: 349 ->
+  218 ms (docs/PERFORMANCE.md). The norm is `global_norm`, the step's own
   `grad_norm` metric: XLA computes it once (the same reductions with or without the metric).
   """
   def update(updates, state, params=None):
